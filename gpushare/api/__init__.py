@@ -1,0 +1,1 @@
+"""HTTP API: Ollama- and OpenAI-compatible endpoints."""

@@ -1,0 +1,1 @@
+"""The shared continuous-batching engine: scheduler, paged KV cache, sampling."""

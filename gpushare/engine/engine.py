@@ -1,0 +1,314 @@
+"""Engine: one thread that owns the device and steps every loaded model's batches.
+
+Other threads talk to it through ``submit``/``cancel``/``embed`` (a thread-safe inbox) and get
+tokens back through each request's ``on_output`` callback, called from the engine thread.
+Each loop turn runs one step of one model; models with work share steps by weighted fairness.
+"""
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
+from gpushare.engine.kv_cache import BlockPool, kv_bytes_per_block
+from gpushare.engine.model_runner import ModelRunner
+from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.scheduler import Scheduler
+from gpushare.engine.sequence import RequestOutput, Sequence, Status
+from gpushare.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_threads: int | None = None  # torch intra-op threads for the engine; None keeps torch's choice
+    idle_tick_s: float = 0.5  # how often an idle loop wakes (keeps the liveness stamp fresh)
+
+
+@dataclass
+class ModelStats:
+    blocks_total: int
+    block_size: int
+    blocks_used: int = 0
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int
+    models: dict[str, ModelStats] = field(default_factory=dict)
+
+
+@dataclass
+class ModelWorker:
+    name: str
+    loaded: LoadedModel
+    scheduler: Scheduler
+    runner: ModelRunner
+    share_weight: float = 1.0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.workers: dict[str, ModelWorker] = {}  # mutated only on the engine thread
+        self.requests: dict[str, Sequence] = {}
+        self.steps = 0
+        self.last_tick_s = time.monotonic()
+        self.on_step: Callable[["Engine"], None] | None = None  # test hook: runs after every step
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- public, thread-safe -------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gpushare-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._stopping = True
+            self._inbox.put(("wake",))
+            self._thread.join()
+            self._thread = None
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_model(self, name: str, loaded: LoadedModel, kv_cache_bytes: int, share_weight: float = 1.0) -> None:
+        def add():
+            if name in self.workers:
+                raise ValueError(f"model {name!r} is already loaded")
+            per_block = kv_bytes_per_block(loaded.config, self.config.block_size, loaded.dtype)
+            num_blocks = kv_cache_bytes // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv cache budget {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
+            pool = BlockPool(num_blocks, self.config.block_size)
+            scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            self.workers[name] = ModelWorker(name, loaded, scheduler, ModelRunner(loaded, pool), share_weight)
+
+        self._run_on_engine(add)
+
+    def remove_model(self, name: str) -> None:
+        def remove():
+            worker = self.workers.pop(name)
+            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
+                self._finish(worker, seq, "abort", error=f"model {name!r} was unloaded")
+
+        self._run_on_engine(remove)
+
+    def submit(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
+               on_output: Callable[[RequestOutput], None], request_id: str | None = None,
+               tenant: str = "default") -> str:
+        worker = self.workers.get(model_name)
+        if worker is None:
+            raise KeyError(f"model {model_name!r} is not loaded")
+        seq = self._new_sequence(worker, model_name, prompt_ids, params, on_output, request_id, tenant)
+        self._inbox.put(("submit", seq))
+        return seq.request_id
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def embed(self, model_name: str, inputs: list[list[int]]) -> Future:
+        worker = self.workers.get(model_name)
+        if worker is None:
+            raise KeyError(f"model {model_name!r} is not loaded")
+        future: Future = Future()
+        params = SamplingParams(max_tokens=1)
+        seqs = [self._new_sequence(worker, model_name, ids, params, lambda out: None, None, "default")
+                for ids in inputs]
+        self._inbox.put(("embed", model_name, seqs, future))
+        return future
+
+    def has_work(self, model_name: str | None = None) -> bool:
+        workers = [self.workers[model_name]] if model_name in self.workers else (
+            [] if model_name else list(self.workers.values()))
+        return any(w.scheduler.has_work() for w in workers)
+
+    def stats(self) -> EngineStats:
+        out = EngineStats(self.steps)
+        for name, w in list(self.workers.items()):
+            pool = w.scheduler.pool
+            out.models[name] = ModelStats(
+                blocks_total=pool.num_blocks, block_size=pool.block_size, blocks_used=pool.num_used,
+                running=len(w.scheduler.running), waiting=len(w.scheduler.waiting), steps=w.steps,
+                prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
+                preemptions=w.scheduler.num_preemptions)
+        return out
+
+    # ---- validation (caller's thread) ----------------------------------------------------
+    def _new_sequence(self, worker, model_name, prompt_ids, params, on_output, request_id, tenant) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = worker.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        context = worker.loaded.config.context_length
+        if len(prompt_ids) >= context:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than the model's context of {context} tokens")
+        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"model's context of {context} tokens")
+        pool = worker.scheduler.pool
+        if pool.blocks_for(len(prompt_ids) + max_tokens) > pool.num_blocks:
+            raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
+                             f"than the whole pool ({pool.num_blocks * pool.block_size} tokens)")
+        seq = Sequence(request_id or uuid.uuid4().hex, model_name, list(prompt_ids), params, on_output, tenant,
+                       max_tokens=max_tokens)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        return seq
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _run_on_engine(self, fn):
+        if not self.alive() or threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        self._inbox.put(("call", fn, future))
+        return future.result()
+
+    def _loop(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        while not self._stopping:
+            self.last_tick_s = time.monotonic()
+            self._drain_inbox(block=not self.has_work())
+            worker = self._pick_worker()
+            if worker is not None:
+                self._step(worker)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.config.idle_tick_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        kind = item[0]
+        if kind == "submit":
+            seq = item[1]
+            worker = self.workers.get(seq.model_name)
+            if worker is None:
+                self._emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
+                                              f"model {seq.model_name!r} was unloaded"))
+                return
+            self.requests[seq.request_id] = seq
+            worker.scheduler.add(seq)
+        elif kind == "cancel":
+            seq = self.requests.get(item[1])
+            if seq is not None and seq.model_name in self.workers:
+                self._finish(self.workers[seq.model_name], seq, "abort")
+        elif kind == "embed":
+            self._embed(*item[1:])
+        elif kind == "call":
+            fn, future = item[1], item[2]
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _pick_worker(self) -> ModelWorker | None:
+        busy = [w for w in self.workers.values() if w.scheduler.has_work()]
+        return min(busy, key=lambda w: w.steps / w.share_weight, default=None)
+
+    def _step(self, worker: ModelWorker) -> None:
+        batch = worker.scheduler.schedule()
+        if not batch.seqs:
+            return
+        try:
+            sampled = worker.runner.step(batch)
+        except Exception as e:  # a failed step fails its batch, never the engine
+            log.exception("engine step failed for model %s", worker.name)
+            for seq in batch.seqs:
+                self._finish(worker, seq, "error", error=f"engine step failed: {e}")
+            return
+        worker.steps += 1
+        self.steps += 1
+        worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
+        for seq, token in sampled:
+            self._advance(worker, seq, token)
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def _advance(self, worker: ModelWorker, seq: Sequence, token: int) -> None:
+        if seq.first_token_time_s is None:
+            seq.first_token_time_s = time.monotonic()
+        seq.output_ids.append(token)
+        worker.generated_tokens += 1
+        loaded = worker.loaded
+        params = seq.params
+        if token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids):
+            append_text(loaded.tokenizer, seq)
+        reason = finish_reason(seq, token, loaded.stop_token_ids, loaded.config.context_length)
+        if reason is not None:
+            self._finish(worker, seq, reason, last_token=token)
+            return
+        self._emit(seq, self._output(seq, [token], False, None))
+
+    def _finish(self, worker: ModelWorker, seq: Sequence, reason: str, error: str | None = None,
+                last_token: int | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        worker.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error))
+
+    def _output(self, seq, new_ids, finished, reason, error=None) -> RequestOutput:
+        return RequestOutput(seq.request_id, releasable_text(seq, finished), new_ids, finished, reason, error,
+                             len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s)
+
+    def _emit(self, seq: Sequence, out: RequestOutput) -> None:
+        try:
+            seq.on_output(out)
+        except Exception:  # a broken consumer must not stop the engine
+            log.exception("on_output callback failed for request %s", seq.request_id)
+
+    def _embed(self, model_name: str, seqs: list[Sequence], future: Future) -> None:
+        worker = self.workers.get(model_name)
+        if worker is None:
+            future.set_exception(KeyError(f"model {model_name!r} is not loaded"))
+            return
+        pool = worker.scheduler.pool
+        vectors = []
+        try:
+            for seq in seqs:
+                # Embedding inputs borrow blocks for one forward pass; running requests keep theirs.
+                while not pool.grow(seq.block_table, seq.num_tokens):
+                    victim = worker.scheduler.running[-1]
+                    worker.scheduler._preempt(victim)
+                try:
+                    vectors.append(worker.runner.embed(seq))
+                finally:
+                    pool.release(seq.block_table)
+            future.set_result(vectors)
+        except Exception as e:
+            future.set_exception(e)

@@ -1,0 +1,83 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model over the paged cache, samples."""
+
+import torch
+
+from gpushare.engine.kv_cache import BlockPool, allocate_kv_tensors
+from gpushare.engine.sampling import sample
+from gpushare.engine.scheduler import Batch
+from gpushare.models.llama import AttentionBatch
+from gpushare.models.loader import LoadedModel
+
+
+def _padded(tables: list[list[int]], device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) or 1
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, pool: BlockPool):
+        self.loaded = loaded
+        self.pool = pool
+        self.device = loaded.device
+        self.kv_caches = allocate_kv_tensors(loaded.config, pool.num_blocks, pool.block_size, loaded.dtype, loaded.device)
+
+    def _inputs(self, seqs, chunks):
+        """Token ids, positions and attention layout; prefill chunks first, then single tokens."""
+        bs = self.pool.block_size
+        order = sorted(range(len(seqs)), key=lambda i: chunks[i] == 1)
+        ids, positions, slots = [], [], []
+        prefill_tables, cu_seqlens, prefill_lens, decode_tables, decode_lens = [], [0], [], [], []
+        last_rows = {}
+        for i in order:
+            seq, chunk = seqs[i], chunks[i]
+            start, end = seq.num_computed, seq.num_computed + chunk
+            table = seq.block_table
+            ids.extend(seq.all_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_rows[i] = len(ids) - 1
+            if chunk > 1:
+                prefill_tables.append(table)
+                cu_seqlens.append(cu_seqlens[-1] + chunk)
+                prefill_lens.append(end)
+            else:
+                decode_tables.append(table)
+                decode_lens.append(end)
+        dev = self.device
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_prefill_tokens=cu_seqlens[-1],
+            prefill_block_tables=_padded(prefill_tables, dev),
+            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
+            decode_block_tables=_padded(decode_tables, dev),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), batch, last_rows
+
+    def hidden_states(self, seqs, chunks):
+        """Run the model; returns the final hidden states and each sequence's last row index."""
+        input_ids, positions, batch, last_rows = self._inputs(seqs, chunks)
+        hidden = self.loaded.model(input_ids, positions, self.kv_caches, batch)
+        for seq, chunk in zip(seqs, chunks):
+            seq.num_computed += chunk
+        return hidden, last_rows
+
+    def step(self, batch: Batch) -> list[tuple]:
+        """Compute one step; returns ``(seq, token)`` for every sequence whose chunk ended its input."""
+        hidden, last_rows = self.hidden_states(batch.seqs, batch.chunks)
+        ready = [i for i, seq in enumerate(batch.seqs) if seq.num_pending == 0]
+        if not ready:
+            return []
+        rows = torch.tensor([last_rows[i] for i in ready], device=self.device)
+        logits = self.loaded.model.logits(hidden[rows])
+        seqs = [batch.seqs[i] for i in ready]
+        tokens = sample(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs])
+        return list(zip(seqs, tokens))
+
+    def embed(self, seq) -> list[float]:
+        """Mean-pooled, L2-normalised final hidden states of ``seq``'s prompt (its blocks already held)."""
+        hidden, _ = self.hidden_states([seq], [seq.num_pending])
+        pooled = hidden.float().mean(dim=0)
+        return torch.nn.functional.normalize(pooled, dim=0).tolist()

@@ -1,0 +1,67 @@
+"""Sequence: one request's state inside the engine; RequestOutput: what its caller sees."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gpushare.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    first_token_time_s: float | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    model_name: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    tenant: str = "default"
+    max_tokens: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # of which reused from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    first_token_time_s: float | None = None
+    # Incremental detokenisation state (see Detokenizer in engine.py).
+    text: str = ""
+    emitted_chars: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,95 @@
+"""LLM: the offline Python API, shaped like vLLM's (``LLM(...).generate`` / ``.chat``)."""
+
+import threading
+from dataclasses import dataclass
+
+from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.sampling import SamplingParams
+from gpushare.models.loader import load_model
+
+DEFAULT_KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: list[int]
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None):
+        self.model = load_model(model, dtype=dtype, device=device)
+        self.model_name = model
+        self.engine = Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                          block_size=block_size, num_threads=num_threads))
+        self.engine.add_model(model, self.model, kv_cache_bytes)
+        self.engine.start()
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Complete each prompt (a string or a list of token ids); results come back in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        token_lists = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+        return self._run(token_lists, params)
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Answer each conversation (a list of ``{"role", "content"}`` messages) with the model's template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        if not conversations:
+            raise ValueError("conversations is empty: pass at least one conversation")
+        token_lists = [self.tokenizer.encode(self.model.render_chat(c), add_special_tokens=False) for c in conversations]
+        return self._run(token_lists, params)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _run(self, token_lists: list[list[int]], params) -> list[CompletionOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} inputs")
+        for p in params:
+            p.validate()
+        results = [None] * len(token_lists)
+        done = threading.Semaphore(0)
+        ids = []
+
+        def collector(index):
+            texts, tokens = [], []
+
+            def on_output(out):
+                texts.append(out.text)
+                tokens.extend(out.token_ids)
+                if out.finished:
+                    results[index] = (out, "".join(texts), list(tokens))
+                    done.release()
+            return on_output
+
+        try:
+            for i, (tokens, p) in enumerate(zip(token_lists, params)):
+                ids.append(self.engine.submit(self.model_name, tokens, p, collector(i)))
+        except Exception:
+            for rid in ids:
+                self.engine.cancel(rid)
+            raise
+        for _ in ids:
+            done.acquire()
+        outputs = []
+        for tokens, (out, text, new_ids) in zip(token_lists, results):
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens))
+        return outputs

@@ -1,0 +1,1 @@
+"""Model loading (GGUF, safetensors), tokenizer, chat template and architectures."""

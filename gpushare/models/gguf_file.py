@@ -1,0 +1,95 @@
+"""Read a GGUF file: metadata, and tensors dequantised to float32 under Hugging Face names."""
+
+import os
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF we can read; the message names the file and the problem."""
+
+
+def open_gguf(path: str):
+    """Open ``path`` with gguf's reader, turning any parse failure into a GGUFError."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises many kinds on truncated or corrupt files
+        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+
+
+def read_metadata(reader) -> dict:
+    meta = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        meta[name] = field.contents()
+    return meta
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (it interleaves each head's rotary halves into pairs)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_tensors(reader, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool) -> dict:
+    """Dequantise every known tensor to float32, in numpy (row-major, HF) shape order."""
+    from gguf import GGMLQuantizationType, quants
+
+    state = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                array = np.asarray(tensor.data, dtype=np.float32)
+            else:
+                array = quants.dequantize(tensor.data, tensor.tensor_type)
+            # ggml lists dims fastest-first; numpy wants them reversed.
+            array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        except Exception as e:
+            raise GGUFError(f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
+        if permuted_qk and name.endswith("q_proj.weight"):
+            array = _unpermute(array, num_heads)
+        elif permuted_qk and name.endswith("k_proj.weight"):
+            array = _unpermute(array, num_kv_heads)
+        state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    return state

@@ -1,0 +1,196 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Tokens of a batch are flattened into one ``[T, hidden]`` matrix: prefill chunks first, then
+single-token decodes. ``AttentionBatch`` says which rows belong to which sequence and where
+their keys and values live in the paged cache.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpushare import kernels
+from gpushare.models.config import ModelConfig
+
+
+@dataclass
+class AttentionBatch:
+    slot_mapping: torch.Tensor          # [T] int64: cache slot of every token
+    num_prefill_tokens: int             # rows [0, num_prefill_tokens) are prefill chunks
+    prefill_block_tables: torch.Tensor  # [P, W] int32
+    prefill_cu_seqlens: torch.Tensor    # [P + 1] int32
+    prefill_context_lens: torch.Tensor  # [P] int32, chunk included
+    decode_block_tables: torch.Tensor   # [D, W] int32
+    decode_context_lens: torch.Tensor   # [D] int32, current token included
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+def rope_table(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """cos and sin for every position, ``[context, 2, head_dim]`` float32."""
+    inv_freq = rope_inv_freq(config)
+    if rope_freqs is not None:  # GGUF's llama3 scaling ships the per-frequency divisors
+        inv_freq = inv_freq / rope_freqs.double()
+    angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()], dim=1).float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE; x: ``[T, H, D]``, cos/sin: ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        p = batch.num_prefill_tokens
+        parts = []
+        if p:
+            parts.append(kernels.prefill_attention(q[:p], k_cache, v_cache, batch.prefill_block_tables,
+                                                   batch.prefill_cu_seqlens, batch.prefill_context_lens, self.scale))
+        if p < q.shape[0]:
+            parts.append(kernels.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
+                                                  batch.decode_context_lens, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, batch):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(config), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
+        """Final hidden states ``[T, hidden]`` (normed) for every input token."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rope[positions].to(x.dtype)
+        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, batch)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden):
+        return self.lm_head(hidden).float()
+
+
+def fuse_hf_state_dict(state: dict, config: ModelConfig) -> dict:
+    """Map Hugging Face parameter names onto this module, fusing q/k/v and gate/up."""
+    out = {}
+    for name, tensor in state.items():
+        key = name.removeprefix("model.")
+        if ".self_attn.q_proj." in key or ".self_attn.k_proj." in key or ".self_attn.v_proj." in key:
+            continue
+        if ".mlp.gate_proj." in key or ".mlp.up_proj." in key:
+            continue
+        if key == "rope_freqs" or key.endswith("rotary_emb.inv_freq"):
+            continue
+        out[key] = tensor
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}"
+        for suffix in ("weight", "bias"):
+            parts = [state.get(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"]
+            if all(t is not None for t in parts):
+                out[f"layers.{i}.self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [state[f"{p}.mlp.gate_proj.weight"], state[f"{p}.mlp.up_proj.weight"]])
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    fused = fuse_hf_state_dict(state, config)
+    expected = set(model.state_dict().keys())
+    missing = expected - set(fused)
+    if missing:
+        raise ValueError(f"model weights are missing {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = set(fused) - expected
+    if unexpected:
+        raise ValueError(f"unexpected weights {sorted(unexpected)[:5]}")
+    tied = fused["lm_head.weight"] is fused["embed_tokens.weight"]
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, assign=True)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = rope_table(config, state.get("rope_freqs")).to(device)
+    return model.eval()

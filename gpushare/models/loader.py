@@ -1,0 +1,137 @@
+"""load_model: a GGUF file or a Hugging Face folder -> weights on the device, tokenizer, chat template."""
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from gpushare.models import chat_template
+from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.models.gguf_file import open_gguf, read_metadata, read_tensors
+from gpushare.models.llama import LlamaModel, build_model
+from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Chat models end a turn with one of these even when the metadata names another EOS.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>")
+
+
+@dataclass
+class LoadedModel:
+    name_or_path: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    template_source: str | None
+    stop_token_ids: set
+    dtype: torch.dtype
+    device: str
+    metadata: dict = field(default_factory=dict)
+    _template: object = None
+
+    @property
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if self._template is None:
+            self._template = chat_template.compile_template(self.template_source)
+        return chat_template.render(self._template, messages, self.tokenizer.bos_token, self.tokenizer.eos_token,
+                                    add_generation_prompt=add_generation_prompt, **extra)
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def _stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
+    ids = {i for i in extra_ids if i is not None}
+    for token in (tokenizer.eos_token, *_TURN_END_TOKENS):
+        if token is not None and tokenizer.token_to_id(token) is not None and (
+            token == tokenizer.eos_token or tokenizer.token_to_id(token) in tokenizer.special_ids
+        ):
+            ids.add(tokenizer.token_to_id(token))
+    return ids
+
+
+def read_gguf(path: str):
+    """Parse a GGUF into (config, float32 state dict, tokenizer, template, stop ids, metadata)."""
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    config = config_from_gguf(meta)
+    state = read_tensors(reader, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama")
+    config.tie_word_embeddings = "lm_head.weight" not in state
+    tokenizer = tokenizer_from_gguf(meta)
+    stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
+    info = {
+        "format": "gguf",
+        "family": config.arch,
+        "parameter_size": meta.get("general.size_label"),
+        "quantization_level": _file_type_name(meta.get("general.file_type")),
+        "license": meta.get("general.license"),
+        "name": meta.get("general.name"),
+    }
+    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, info
+
+
+def read_hf_dir(path: str):
+    """Parse a Hugging Face folder: config.json, *.safetensors (sharded too), tokenizer files."""
+    from safetensors.torch import load_file
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path}: no config.json")
+    raw = json.load(open(cfg_file))
+    config = config_from_hf(raw)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    state = {}
+    for f in files:
+        try:
+            state.update({k: v.float() for k, v in load_file(f).items()})
+        except Exception as e:
+            raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+    tokenizer, tok_cfg = tokenizer_from_dir(path)
+    template = tok_cfg.get("chat_template")
+    template_file = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(template_file):
+        template = open(template_file).read()
+    eos = raw.get("eos_token_id")
+    stop = _stop_ids(tokenizer, eos if isinstance(eos, list) else [eos])
+    info = {"format": "safetensors", "family": config.arch, "parameter_size": None,
+            "quantization_level": str(raw.get("torch_dtype", "float32")).upper(), "name": os.path.basename(path)}
+    return config, state, tokenizer, template, stop, info
+
+
+def load_model(path: str, dtype="float32", device: str = "cpu") -> LoadedModel:
+    """Load a model for serving; raises FileNotFoundError / ValueError naming the problem."""
+    torch_dtype = resolve_dtype(dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model not found: {path}")
+    reader = read_hf_dir if os.path.isdir(path) else read_gguf
+    config, state, tokenizer, template, stop, info = reader(path)
+    model = build_model(config, state, torch_dtype, device)
+    return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info)
+
+
+def _file_type_name(file_type) -> str | None:
+    if file_type is None:
+        return None
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return str(file_type)

