@@ -10,7 +10,7 @@ import torch
 from gpushare.models import chat_template
 from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
 from gpushare.models.gguf_file import open_gguf, read_metadata, read_tensors
-from gpushare.models.llama import LlamaModel, build_model
+from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,12 +33,7 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        seen, total = set(), 0
-        for p in self.model.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+        return weight_bytes(self.model)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
