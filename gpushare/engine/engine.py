@@ -168,11 +168,15 @@ class Engine:
         context = worker.loaded.config.context_length
         if len(prompt_ids) >= context:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than the model's context of {context} tokens")
-        max_tokens = params.max_tokens if params.max_tokens is not None else context - len(prompt_ids)
+        pool = worker.scheduler.pool
+        room = min(context, pool.num_blocks * pool.block_size) - len(prompt_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens < 1:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens and leaves no room to generate in the KV "
+                             f"cache pool ({pool.num_blocks * pool.block_size} tokens)")
         if len(prompt_ids) + max_tokens > context:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"model's context of {context} tokens")
-        pool = worker.scheduler.pool
         if pool.blocks_for(len(prompt_ids) + max_tokens) > pool.num_blocks:
             raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
                              f"than the whole pool ({pool.num_blocks * pool.block_size} tokens)")

@@ -69,8 +69,13 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_tensors(reader, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool) -> dict:
-    """Dequantise every known tensor to float32, in numpy (row-major, HF) shape order."""
+def read_tensors(reader, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None) -> dict:
+    """Dequantise every known tensor to float32, in numpy (row-major, HF) shape order.
+
+    ``progress(done_bytes, total_bytes)``, when given, is called after each tensor.
+    """
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    done = 0
     from gguf import GGMLQuantizationType, quants
 
     state = {}
@@ -92,4 +97,7 @@ def read_tensors(reader, path: str, num_heads: int, num_kv_heads: int, permuted_
         elif permuted_qk and name.endswith("k_proj.weight"):
             array = _unpermute(array, num_kv_heads)
         state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+        done += int(tensor.n_bytes)
+        if progress is not None:
+            progress(done, total)
     return state

@@ -60,16 +60,21 @@ def _stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
     return ids
 
 
-def read_gguf(path: str):
+def read_gguf(path: str, progress=None):
     """Parse a GGUF into (config, float32 state dict, tokenizer, template, stop ids, metadata)."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_gguf(meta)
-    state = read_tensors(reader, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama")
+    state = read_tensors(reader, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
+                         progress=progress)
     config.tie_word_embeddings = "lm_head.weight" not in state
     tokenizer = tokenizer_from_gguf(meta)
     stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
-    info = {
+    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, _gguf_info(meta, config)
+
+
+def _gguf_info(meta: dict, config: ModelConfig) -> dict:
+    return {
         "format": "gguf",
         "family": config.arch,
         "parameter_size": meta.get("general.size_label"),
@@ -77,10 +82,30 @@ def read_gguf(path: str):
         "license": meta.get("general.license"),
         "name": meta.get("general.name"),
     }
-    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, info
 
 
-def read_hf_dir(path: str):
+def _hf_info(path: str, raw: dict, config: ModelConfig) -> dict:
+    return {"format": "safetensors", "family": config.arch, "parameter_size": None,
+            "quantization_level": str(raw.get("torch_dtype", "float32")).upper(), "name": os.path.basename(path)}
+
+
+def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
+    """(config, chat template, info) without reading weights: for listings and ``show``."""
+    if os.path.isdir(path):
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise FileNotFoundError(f"{path}: no config.json")
+        raw = json.load(open(cfg_file))
+        config = config_from_hf(raw)
+        tok_cfg = os.path.join(path, "tokenizer_config.json")
+        template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
+        return config, template, _hf_info(path, raw, config)
+    meta = read_metadata(open_gguf(path))
+    config = config_from_gguf(meta)
+    return config, meta.get("tokenizer.chat_template"), _gguf_info(meta, config)
+
+
+def read_hf_dir(path: str, progress=None):
     """Parse a Hugging Face folder: config.json, *.safetensors (sharded too), tokenizer files."""
     from safetensors.torch import load_file
 
@@ -93,11 +118,16 @@ def read_hf_dir(path: str):
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     state = {}
+    total = sum(os.path.getsize(f) for f in files)
+    done = 0
     for f in files:
         try:
             state.update({k: v.float() for k, v in load_file(f).items()})
         except Exception as e:
             raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+        done += os.path.getsize(f)
+        if progress is not None:
+            progress(done, total)
     tokenizer, tok_cfg = tokenizer_from_dir(path)
     template = tok_cfg.get("chat_template")
     template_file = os.path.join(path, "chat_template.jinja")
@@ -105,18 +135,19 @@ def read_hf_dir(path: str):
         template = open(template_file).read()
     eos = raw.get("eos_token_id")
     stop = _stop_ids(tokenizer, eos if isinstance(eos, list) else [eos])
-    info = {"format": "safetensors", "family": config.arch, "parameter_size": None,
-            "quantization_level": str(raw.get("torch_dtype", "float32")).upper(), "name": os.path.basename(path)}
-    return config, state, tokenizer, template, stop, info
+    return config, state, tokenizer, template, stop, _hf_info(path, raw, config)
 
 
-def load_model(path: str, dtype="float32", device: str = "cpu") -> LoadedModel:
-    """Load a model for serving; raises FileNotFoundError / ValueError naming the problem."""
+def load_model(path: str, dtype="float32", device: str = "cpu", progress=None) -> LoadedModel:
+    """Load a model for serving; raises FileNotFoundError / ValueError naming the problem.
+
+    ``progress(done_bytes, total_bytes)`` reports reading and dequantising (the slow part).
+    """
     torch_dtype = resolve_dtype(dtype)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
-    config, state, tokenizer, template, stop, info = reader(path)
+    config, state, tokenizer, template, stop, info = reader(path, progress)
     model = build_model(config, state, torch_dtype, device)
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info)
 

@@ -1,0 +1,44 @@
+"""What every handler needs: the engine, the registry, the settings; and prompt encoding."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gpushare.api.errors import bad_request
+from gpushare.config import Settings
+from gpushare.engine.registry import Registry
+
+
+@dataclass
+class ApiContext:
+    engine: object  # gpushare.engine.engine.Engine
+    registry: Registry
+    settings: Settings
+    started_at: float = field(default_factory=time.time)
+
+
+CONTEXT = web.AppKey("gpushare", ApiContext)
+
+
+def context(request: web.Request) -> ApiContext:
+    return request.app[CONTEXT]
+
+
+# Prompts are encoded exactly as the offline LLM API does (gpushare/llm.py), so that a
+# greedy answer through HTTP equals LLM.generate / LLM.chat for the same input.
+
+def encode_text(model, text: str) -> list[int]:
+    """A raw completion prompt: BOS added when the model asks for it."""
+    return model.tokenizer.encode(text, add_special_tokens=True)
+
+
+def encode_chat(model, messages: list[dict]) -> list[int]:
+    """A conversation through the model's chat template (which writes its own special tokens)."""
+    try:
+        text = model.render_chat(messages, add_generation_prompt=True)
+    except ValueError as e:  # TemplateError: the template refused these messages
+        raise bad_request(str(e), param="messages") from None
+    return model.tokenizer.encode(text, add_special_tokens=False)

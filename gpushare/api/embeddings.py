@@ -1,0 +1,42 @@
+"""Embeddings shared by both dialects: tokenise, truncate to the context, `engine.embed`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from gpushare.api.context import context, encode_text
+from gpushare.api.errors import bad_request
+from gpushare.api.streaming import Timings
+
+
+async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
+                      truncate: bool = True) -> tuple[list[list[float]], Timings]:
+    """One vector per input (text, or token ids); no inputs only loads the model."""
+    ctx = context(request)
+    timings = Timings()
+    async with ctx.registry.use(model, keep_alive) as lease:
+        timings.load_s = lease.load_duration_s
+        if not inputs:
+            return [], timings
+        limit = lease.model.config.context_length - 1  # the engine counts one token to generate
+        token_lists = []
+        for i, item in enumerate(inputs):
+            ids = encode_text(lease.model, item) if isinstance(item, str) else item
+            if not ids:
+                raise bad_request(f"input[{i}] is empty", param="input")
+            if len(ids) > limit:
+                if not truncate:
+                    raise bad_request(f"input[{i}] is {len(ids)} tokens, longer than the context of {limit} tokens",
+                                      param="input")
+                ids = ids[:limit]
+            token_lists.append(ids)
+        timings.prompt_tokens = sum(len(ids) for ids in token_lists)
+        try:
+            vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists))
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        timings.end_s = time.monotonic()
+        return vectors, timings

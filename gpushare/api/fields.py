@@ -1,0 +1,97 @@
+"""Typed reads of JSON request bodies; a wrong type is a 400 that names the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from gpushare.api.errors import bad_request
+from gpushare.config import ConfigError, parse_duration_s
+
+_KINDS = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+async def read_json_object(request: web.Request) -> dict:
+    """The body as a JSON object, or 400 saying why it is not one."""
+    raw = await request.read()
+    if not raw.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON in request body: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    for name, types in _KINDS.items():
+        if isinstance(value, types) and name != "number":
+            return name
+    return "number" if isinstance(value, float) else type(value).__name__
+
+
+def field(body: dict, key: str, kind: str, default: Any = None, *, prefix: str = "") -> Any:
+    """body[key] checked against a JSON kind; missing or null gives `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, _KINDS[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        value, ok = int(value), True
+    if not ok:
+        raise bad_request(f'"{prefix}{key}" must be {_article(kind)} {kind}, got {_json_type(value)} {json.dumps(value)}',
+                          param=prefix + key)
+    if kind == "number":
+        value = float(value)
+    return value
+
+
+def required_string(body: dict, key: str) -> str:
+    value = field(body, key, "string")
+    if not value:
+        raise bad_request(f'"{key}" is required', param=key)
+    return value
+
+
+def string_list(body: dict, key: str, *, prefix: str = "") -> list[str]:
+    """A string or an array of strings (OpenAI `stop`, Ollama `options.stop`)."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise bad_request(f'"{prefix}{key}" must be a string or an array of strings, got {json.dumps(value)}',
+                      param=prefix + key)
+
+
+def keep_alive_s(body: dict) -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a duration string ("5m", "-1"); None when absent."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration_s(value, "keep_alive")
+    except ConfigError:
+        raise bad_request(f'"keep_alive" must be a duration like "5m" or a number of seconds, got {json.dumps(value)}',
+                          param="keep_alive") from None
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"

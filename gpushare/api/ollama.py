@@ -1,0 +1,304 @@
+"""Ollama's HTTP API (/api/*) with Ollama's field names and meanings.
+
+Generation streams NDJSON by default (`"stream": false` for one object); the last chunk
+carries done_reason and the durations in nanoseconds. A generate/chat request with no
+prompt/messages loads the model (done_reason "load"), or unloads it with keep_alive 0
+(done_reason "unload"). Sampling defaults are Ollama's (temperature 0.8, top_k 40,
+top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last 64
+tokens only (repeat_last_n), a window this engine does not have.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import time
+
+from aiohttp import web
+
+from gpushare.api.context import context, encode_chat, encode_text
+from gpushare.api.embeddings import embed_texts
+from gpushare.api.errors import ApiError, bad_request
+from gpushare.api.fields import field, keep_alive_s, read_json_object, required_string, string_list
+from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
+                                    usable_context)
+from gpushare.engine.registry import RegistrationError
+
+ROLES = ("system", "user", "assistant", "tool")
+# Options we take, with their Ollama defaults; other Ollama options (num_gpu, mirostat, ...)
+# are llama.cpp-specific and ignored.
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def rfc3339(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# ---------------------------------------------------------------------------- request parsing
+
+def _reject_unsupported(body: dict) -> None:
+    if body.get("format"):
+        raise bad_request('"format" (structured output) is not supported', param="format")
+    if body.get("images"):
+        raise bad_request('"images" is not supported: no vision models', param="images")
+    if body.get("tools"):
+        raise bad_request('"tools" is not supported', param="tools")
+    if body.get("suffix"):
+        raise bad_request('"suffix" (fill-in-the-middle) is not supported', param="suffix")
+    if body.get("template"):
+        raise bad_request('"template" is not supported: the template comes from the model file', param="template")
+    if body.get("context"):
+        raise bad_request('"context" is not supported; use /api/chat to continue a conversation', param="context")
+    if body.get("think"):
+        raise bad_request('"think" is not supported', param="think")
+
+
+def sampling_from_options(body: dict):
+    """SamplingParams from Ollama's `options`; also returns num_ctx (None if unset)."""
+    options = field(body, "options", "object", {})
+    p = "options."
+    num_predict = field(options, "num_predict", "integer", prefix=p)
+    values = {
+        "temperature": field(options, "temperature", "number", prefix=p),
+        "top_k": field(options, "top_k", "integer", prefix=p),
+        "top_p": field(options, "top_p", "number", prefix=p),
+        "min_p": field(options, "min_p", "number", prefix=p),
+        "seed": field(options, "seed", "integer", prefix=p),
+        "repetition_penalty": field(options, "repeat_penalty", "number", prefix=p),
+        "presence_penalty": field(options, "presence_penalty", "number", prefix=p),
+        "frequency_penalty": field(options, "frequency_penalty", "number", prefix=p),
+        "stop": string_list(options, "stop", prefix=p),
+    }
+    for key, default in OLLAMA_DEFAULTS.items():
+        if values[key] is None:
+            values[key] = default
+    if values["top_k"] is not None and values["top_k"] <= 0:
+        values["top_k"] = -1  # Ollama: 0 disables top-k
+    num_ctx = field(options, "num_ctx", "integer", prefix=p)
+    if num_ctx is not None and num_ctx <= 0:
+        raise bad_request(f'"options.num_ctx" must be a positive integer, got {num_ctx}', param="options.num_ctx")
+    # num_predict: -1 (or any value <= 0) means no limit but the context, as in Ollama.
+    max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
+    return values, max_tokens, num_ctx
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = field(body, "messages", "array", [])
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f'"{where}" must be an object with "role" and "content"', param=where)
+        role = field(m, "role", "string", prefix=where + ".")
+        if role not in ROLES:
+            raise bad_request(f'"{where}.role" must be one of {", ".join(ROLES)}, got {role!r}', param=where + ".role")
+        if m.get("images"):
+            raise bad_request(f'"{where}.images" is not supported: no vision models', param=where + ".images")
+        out.append({"role": role, "content": field(m, "content", "string", "", prefix=where + ".")})
+    return out
+
+
+# ---------------------------------------------------------------------------- shared flow
+
+async def _load_or_unload(request: web.Request, model: str, keep_alive: float | None, extra: dict) -> web.Response:
+    registry = context(request).registry
+    if keep_alive == 0:
+        await registry.unload(model)
+        reason = "unload"
+    else:
+        await registry.load(model, keep_alive)
+        reason = "load"
+    return web.json_response({"model": model, "created_at": now_rfc3339(), **extra, "done": True,
+                              "done_reason": reason})
+
+
+async def _generate(request: web.Request, body: dict, model: str, make_prompt, piece, empty) -> web.StreamResponse:
+    """Run one generation; `make_prompt(loaded_model)` -> token ids; `piece(text)` -> the reply part."""
+    values, max_tokens, num_ctx = sampling_from_options(body)
+    keep_alive = keep_alive_s(body)
+    stream = field(body, "stream", "boolean", True)
+    ctx = context(request)
+    timings = Timings()
+    async with ctx.registry.use(model, keep_alive) as lease:
+        timings.load_s = lease.load_duration_s
+        prompt_ids = make_prompt(lease.model)
+        limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
+        # Ollama never fails on num_predict: generation stops at the context.
+        max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
+        params = make_sampling_params(max_tokens=max_tokens, **values)
+        timings.submit_s = time.monotonic()
+        base = {"model": model}
+
+        def tail(out):
+            return [{**base, "created_at": now_rfc3339(), **empty, "done": True, "done_reason": out.finish_reason,
+                     **timings.ollama_fields()}]
+
+        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params) as engine_stream:
+            if stream:
+                fmt = StreamFormat(sse=False, piece=lambda text: {**base, "created_at": now_rfc3339(), **piece(text),
+                                                                   "done": False},
+                                   tail=tail, error=lambda err: {"error": err.message})
+                return await relay(request, engine_stream, timings, fmt)
+            text, out = await collect(engine_stream, timings)
+            return web.json_response({**tail(out)[0], **piece(text)})
+
+
+# ---------------------------------------------------------------------------- handlers
+
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="gpushare is running")
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": importlib.metadata.version("gpushare")})
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    _reject_unsupported(body)
+    prompt = field(body, "prompt", "string", "")
+    system = field(body, "system", "string", "")
+    raw = field(body, "raw", "boolean", False)
+    if not prompt:
+        return await _load_or_unload(request, model, keep_alive_s(body), {"response": ""})
+
+    def make_prompt(loaded):
+        if raw:
+            return encode_text(loaded, prompt)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return encode_chat(loaded, messages)
+
+    return await _generate(request, body, model, make_prompt, lambda text: {"response": text}, {"response": ""})
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    _reject_unsupported(body)
+    messages = parse_messages(body)
+    if not messages:
+        return await _load_or_unload(request, model, keep_alive_s(body),
+                                     {"message": {"role": "assistant", "content": ""}})
+    return await _generate(request, body, model, lambda loaded: encode_chat(loaded, messages),
+                           lambda text: {"message": {"role": "assistant", "content": text}},
+                           {"message": {"role": "assistant", "content": ""}})
+
+
+async def embed(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    if body.get("dimensions"):
+        raise bad_request('"dimensions" is not supported', param="dimensions")
+    texts = string_list(body, "input")
+    truncate = field(body, "truncate", "boolean", True)
+    vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate)
+    fields = t.ollama_fields()
+    return web.json_response({"model": model, "embeddings": vectors, "total_duration": fields["total_duration"],
+                              "load_duration": fields["load_duration"], "prompt_eval_count": t.prompt_tokens})
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """The legacy single-prompt endpoint."""
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    prompt = field(body, "prompt", "string", "")
+    vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body))
+    return web.json_response({"embedding": vectors[0] if vectors else []})
+
+
+def _details(registry, source) -> dict:
+    desc = registry.cached_description(source)
+    return desc.details if desc is not None else {"parent_model": "", "format": source.format, "family": "",
+                                                  "families": None, "parameter_size": "", "quantization_level": ""}
+
+
+async def tags(request: web.Request) -> web.Response:
+    registry = context(request).registry
+    models = []
+    for source in sorted(registry.sources().values(), key=lambda s: s.name):
+        models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
+                       "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source)})
+    return web.json_response({"models": models})
+
+
+async def ps(request: web.Request) -> web.Response:
+    ctx = context(request)
+    stats = ctx.engine.stats().models
+    models = []
+    for entry in ctx.registry.loaded():
+        s = stats.get(entry.name)
+        expires = entry.expires_at if entry.expires_at is not None else time.time() + 292 * 365 * 86400  # "forever"
+        models.append({
+            "name": entry.name, "model": entry.name, "size": entry.size_bytes, "digest": entry.source.digest(),
+            "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
+            "size_vram": entry.size_bytes if ctx.registry.device == "cuda" else 0,
+            "context_length": entry.model.config.context_length,
+            "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
+            "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
+            "queued": s.waiting if s else 0, "requests": entry.active,
+            "keep_alive": entry.keep_alive_s, "device": ctx.registry.device,
+        })
+    return web.json_response({"models": models})
+
+
+async def show(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    name = field(body, "model", "string") or field(body, "name", "string")
+    if not name:
+        raise bad_request('"model" is required', param="model")
+    registry = context(request).registry
+    source = registry.find(name)
+    desc = await registry.describe(source.name)
+    return web.json_response({
+        "modelfile": f"# gpushare model {source.name}\nFROM {source.path}\n",
+        "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
+        "capabilities": ["completion"], "modified_at": rfc3339(source.modified_at()),
+    })
+
+
+async def create(request: web.Request) -> web.Response:
+    """Register a local file, folder or model under a new name: {"model": NAME, "from": PATH}."""
+    body = await read_json_object(request)
+    name = required_string(body, "model")
+    source = required_string(body, "from")
+    try:
+        context(request).registry.create(name, source)
+    except RegistrationError as e:
+        raise bad_request(str(e)) from None
+    return web.json_response({"status": "success"})
+
+
+async def delete(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    name = field(body, "model", "string") or required_string(body, "name")
+    try:
+        await context(request).registry.remove(name)
+    except RegistrationError as e:
+        raise bad_request(str(e)) from None
+    return web.json_response({})
+
+
+async def not_supported(request: web.Request) -> web.Response:
+    raise ApiError(501, f"{request.path} is not supported: gpushare serves local files; "
+                        f"register one with `gpushare create NAME --from PATH`")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/", root)
+    app.router.add_get("/api/version", version)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/embed", embed)
+    app.router.add_post("/api/embeddings", embeddings)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/show", show)
+    app.router.add_post("/api/create", create)
+    app.router.add_delete("/api/delete", delete)
+    for path in ("/api/pull", "/api/push", "/api/copy"):
+        app.router.add_post(path, not_supported)

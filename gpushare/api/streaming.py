@@ -1,0 +1,200 @@
+"""The generation path shared by both dialects: submit, bridge outputs to asyncio, relay or collect.
+
+The engine calls `on_output` from its own thread; `EngineStream` hands each output to
+the event loop with `loop.call_soon_threadsafe` and an asyncio.Queue. Leaving the
+`with` block before the request finished (client gone, write failed, handler cancelled)
+cancels it in the engine, which frees its KV blocks on the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+from gpushare.api.errors import ApiError, bad_request
+from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.sequence import RequestOutput
+
+
+class EngineStream:
+    """One request submitted to the engine; iterate it for RequestOutputs until finished."""
+
+    def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.finished = False
+        try:
+            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except KeyError:  # unloaded between the lease and the submit: only while the daemon stops
+            raise ApiError(503, f'model "{model_name}" was unloaded; retry', retry_after_s=1) from None
+
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed: the daemon is shutting down
+            pass
+
+    def __enter__(self) -> EngineStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.finished:
+            self._engine.cancel(self.request_id)
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self.finished = out.finished
+        return out
+
+
+@dataclass
+class Timings:
+    """Ollama's durations, from the daemon's monotonic clock (seconds here, nanoseconds on the wire)."""
+    start_s: float = field(default_factory=time.monotonic)
+    load_s: float = 0.0
+    submit_s: float | None = None
+    first_token_s: float | None = None
+    end_s: float | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    def observe(self, out: RequestOutput) -> None:
+        self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
+        self.generated_tokens = out.num_generated_tokens
+        if out.first_token_time_s is not None:
+            self.first_token_s = out.first_token_time_s
+        if out.finished:
+            self.end_s = time.monotonic()
+
+    def ollama_fields(self) -> dict:
+        end = self.end_s or time.monotonic()
+        submit = self.submit_s or self.start_s
+        first = self.first_token_s or end
+        ns = 1_000_000_000
+        return {
+            "total_duration": int((end - self.start_s) * ns),
+            "load_duration": int(self.load_s * ns),
+            "prompt_eval_count": self.prompt_tokens,
+            "prompt_eval_duration": int(max(first - submit, 0.0) * ns),
+            "eval_count": self.generated_tokens,
+            "eval_duration": int(max(end - first, 0.0) * ns),
+        }
+
+
+def usable_context(engine, model_name: str, context_length: int, prompt_ids: list[int],
+                   num_ctx: int | None = None) -> int:
+    """Tokens this request may reach: the model's context, or less (num_ctx, the model's KV pool).
+
+    400 when the prompt alone does not fit.
+    """
+    if not prompt_ids:
+        raise bad_request("the prompt is empty after tokenisation")
+    context = min(context_length, num_ctx or context_length)
+    if len(prompt_ids) >= context:
+        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, longer than the context of {context} tokens")
+    stats = engine.stats().models.get(model_name)
+    pool_tokens = stats.blocks_total * stats.block_size if stats else context
+    if len(prompt_ids) >= pool_tokens:
+        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, more than this model's KV cache holds "
+                          f"({pool_tokens} tokens; raise memory.kv_budget)")
+    return min(context, pool_tokens)
+
+
+def make_sampling_params(**kwargs) -> SamplingParams:
+    """SamplingParams from already type-checked values (None = the engine default); 400 on a bad range."""
+    params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    try:
+        params.validate()
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    return params
+
+
+def finish_error(out: RequestOutput) -> ApiError | None:
+    """The error a finished output carries, if it did not end normally."""
+    if out.finish_reason == "error":
+        return ApiError(500, out.error or "the engine failed this request")
+    if out.finish_reason == "abort":
+        return ApiError(503, "the request was cancelled: its model was unloaded or the daemon is stopping",
+                        retry_after_s=1)
+    return None
+
+
+async def collect(stream: EngineStream, timings: Timings) -> tuple[str, RequestOutput]:
+    """Run a request to the end; its whole text and the final output. Raises ApiError on failure."""
+    parts = []
+    async for out in stream:
+        timings.observe(out)
+        parts.append(out.text)
+        if out.finished:
+            err = finish_error(out)
+            if err is not None:
+                raise err
+            return "".join(parts), out
+    raise AssertionError("the engine stream ended without a finished output")
+
+
+@dataclass
+class StreamFormat:
+    """How one dialect frames a token stream: NDJSON lines (Ollama) or server-sent events (OpenAI)."""
+    sse: bool
+    piece: Callable[[str], dict]  # a chunk carrying new text
+    tail: Callable[[RequestOutput], list[dict]]  # the chunks after the last text
+    error: Callable[[ApiError], dict]
+    head: Callable[[], list[dict]] = list  # the chunks before the first text
+
+
+async def relay(request: web.Request, stream: EngineStream, timings: Timings, fmt: StreamFormat) -> web.StreamResponse:
+    """Stream a request's outputs to the client as they come.
+
+    Headers go out with the first output, so a request that fails before producing
+    anything still gets a plain HTTP error; one that fails later ends its stream with an
+    error object, as Ollama does. A client that goes away makes a write fail, and leaving
+    the caller's `with EngineStream` then cancels the request.
+    """
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream" if fmt.sse else "application/x-ndjson",
+        "Cache-Control": "no-cache",
+    })
+
+    async def send(obj: dict) -> None:
+        data = json.dumps(obj, ensure_ascii=False)
+        await response.write((f"data: {data}\n\n" if fmt.sse else data + "\n").encode())
+
+    try:
+        async for out in stream:
+            timings.observe(out)
+            err = finish_error(out) if out.finished else None
+            if not response.prepared:
+                if err is not None:
+                    raise err
+                await response.prepare(request)
+                for chunk in fmt.head():
+                    await send(chunk)
+            if err is not None:
+                await send(fmt.error(err))
+                break
+            if out.text:
+                await send(fmt.piece(out.text))
+            if out.finished:
+                for chunk in fmt.tail(out):
+                    await send(chunk)
+        if fmt.sse:
+            await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the caller's `with EngineStream` cancels the request
+    return response

@@ -1,0 +1,135 @@
+"""A live `gpushare serve` on a free loopback port, for the integration tests.
+
+The daemon runs as the installed console script (.venv/bin/gpushare) with a YAML config
+written to a temp dir, serving the bundled SmolLM2-135M GGUF (preloaded). Test modules
+build a module-scoped fixture with `start_daemon` and stop it with `Daemon.stop`; the
+offline oracle is conftest's session-scoped `llm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+GPUSHARE = Path(sys.executable).parent / "gpushare"
+MODEL = "smollm2:135m"
+START_TIMEOUT_S = 180  # a loaded 2-core machine needs ~15 s to load the model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body=None, timeout_s: float = 120) -> tuple[int, dict | str, dict]:
+    """(status, parsed JSON or text, headers) without raising on HTTP errors."""
+    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
+    req = urllib.request.Request(url, data=data, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw, headers = resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as e:
+        status, raw, headers = e.code, e.read(), dict(e.headers)
+    try:
+        return status, json.loads(raw), headers
+    except ValueError:
+        return status, raw.decode(), headers
+
+
+@dataclass
+class Daemon:
+    url: str
+    host: str  # HOST:PORT, as GPUSHARE_HOST takes it
+    proc: subprocess.Popen
+    log_path: Path
+    models_dir: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def env(self) -> dict:
+        """Environment for CLI subprocesses that talk to this daemon."""
+        return {**os.environ, "GPUSHARE_HOST": self.host}
+
+    def loaded(self) -> dict[str, dict]:
+        return {m["name"]: m for m in http("GET", self.url + "/api/ps")[1]["models"]}
+
+    def wait_ready(self) -> None:
+        """Wait until the daemon answers and has the model loaded; fail with its log if it does not."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gpushare serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if MODEL in self.loaded():
+                    return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"gpushare serve did not load {MODEL} within {START_TIMEOUT_S}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def write_config(tmp: Path, port: int, model_path: str, overrides: dict | None = None) -> Path:
+    config = {
+        "server": {"host": f"127.0.0.1:{port}", "drain_timeout": "5s"},
+        "models": [{"name": MODEL, "path": model_path, "preload": True}],
+        "models_dir": str(tmp / "models"),
+        "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 512},
+        "memory": {"kv_budget": "256MiB", "max_loaded_models": 2},
+    }
+    for section, values in (overrides or {}).items():
+        config[section] = {**config[section], **values} if isinstance(values, dict) else values
+    path = tmp / "gpushare.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def spawn_daemon(tmp: Path, model_path: str, overrides: dict | None = None) -> Daemon:
+    """Start `gpushare serve` for `model_path` (as smollm2:135m); see Daemon.wait_ready."""
+    port = free_port()
+    (tmp / "models").mkdir(exist_ok=True)
+    config = write_config(tmp, port, model_path, overrides)
+    log_path = tmp / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
+                            stderr=subprocess.STDOUT, env=env)
+    return Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
+
+
+def start_daemon(tmp: Path, model_path: str, overrides: dict | None = None) -> Daemon:
+    daemon = spawn_daemon(tmp, model_path, overrides)
+    daemon.wait_ready()
+    return daemon
+
+
+def wait_for(predicate, timeout_s: float = 10, interval_s: float = 0.1):
+    """Poll until predicate() is truthy; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        value = predicate()
+    return value

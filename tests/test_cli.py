@@ -1,0 +1,167 @@
+"""The `gpushare` command, run as the installed console script against a live daemon.
+
+Each subprocess pays Python + torch start-up, so every verb runs once as a real command;
+the --json variants and argument handling run in-process through `cli.main`. The last
+test stops the module's daemon with SIGTERM to check the drain.
+"""
+
+import json
+import os
+import signal
+import subprocess
+from http.client import HTTPConnection
+
+import pytest
+from daemon_fixture import GPUSHARE, MODEL, free_port, start_daemon
+
+from gpushare import SamplingParams, cli
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, smollm2_path):
+    d = start_daemon(tmp_path_factory.mktemp("cli"), smollm2_path, {"server": {"drain_timeout": "2s"}})
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def host_env(daemon, monkeypatch):
+    """In-process CLI calls reach the module's daemon."""
+    monkeypatch.setenv("GPUSHARE_HOST", daemon.host)
+
+
+def gpushare(daemon, *args, input_text=None, timeout_s=180):
+    env = daemon.env() if daemon is not None else {**os.environ, "GPUSHARE_HOST": f"127.0.0.1:{free_port()}"}
+    stdin = None if input_text is not None else subprocess.DEVNULL
+    return subprocess.run([str(GPUSHARE), *args], input=input_text, stdin=stdin, capture_output=True, text=True,
+                          env=env, timeout=timeout_s)
+
+
+def test_not_running_is_a_clear_error():
+    r = gpushare(None, "ps")
+    assert r.returncode == 1 and "could not connect to the gpushare daemon" in r.stderr
+    assert "gpushare serve" in r.stderr
+
+
+def test_every_verb_explains_itself(capsys):
+    verbs = {"serve": "serve", "run": "run", "ps": "ps", "list": "list", "ls": "list", "show": "show",
+             "load": "load", "unload": "unload", "stop": "unload", "create": "create", "rm": "rm"}
+    for verb, canonical in verbs.items():
+        with pytest.raises(SystemExit) as info:
+            cli.main([verb, "--help"])
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: gpushare {canonical}") and len(out.splitlines()) > 3, verb
+
+
+def test_serve_with_a_bad_config_names_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {max_num_seqs: -1}\n")
+    r = gpushare(None, "serve", "--config", str(bad))
+    assert r.returncode == 1
+    assert "engine.max_num_seqs: must be a positive integer, got -1" in r.stderr
+
+
+def test_list(daemon, host_env, capsys):
+    r = gpushare(daemon, "list")
+    assert r.returncode == 0, r.stderr
+    header, row = r.stdout.splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"] and row.startswith(MODEL)
+    assert cli.main(["list", "--json"]) == 0
+    assert [m["name"] for m in json.loads(capsys.readouterr().out)["models"]] == [MODEL]
+
+
+def test_show(daemon, host_env, capsys):
+    r = gpushare(daemon, "show", MODEL)
+    assert r.returncode == 0, r.stderr
+    assert "architecture        llama" in r.stdout and "context length      8192" in r.stdout
+    assert "quantization        Q4_1" in r.stdout
+    assert cli.main(["show", MODEL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["details"]["parameter_size"] == "135M"
+    assert cli.main(["show", "nope"]) == 1
+    assert 'model "nope" not found' in capsys.readouterr().err
+
+
+def test_run_with_a_prompt_answers_as_the_offline_llm(daemon, llm):
+    expected = llm.chat([{"role": "user", "content": "Say hello"}], SamplingParams(temperature=0, max_tokens=8))[0]
+    r = gpushare(daemon, "run", MODEL, "Say", "hello", "--temperature", "0", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected.text + "\n"
+
+
+def test_run_reads_piped_stdin(daemon, llm):
+    expected = llm.chat([{"role": "user", "content": "Summarise:\n\nThe cat sat on the mat.\n"}],
+                        SamplingParams(temperature=0, max_tokens=8))[0]
+    r = gpushare(daemon, "run", MODEL, "Summarise:", "--temperature", "0", "--max-tokens", "8",
+                 input_text="The cat sat on the mat.\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected.text + "\n"
+
+
+def test_interactive_run_keeps_the_conversation(daemon):
+    primary, secondary = os.openpty()
+    proc = subprocess.Popen([str(GPUSHARE), "run", MODEL, "--temperature", "0", "--max-tokens", "6", "--verbose"],
+                            stdin=secondary, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=daemon.env())
+    os.close(secondary)
+    os.write(primary, b"My name is Ada.\nWhat is my name?\n/bye\n")
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        os.close(primary)
+    assert proc.returncode == 0, err
+    assert out.count(">>> ") == 3
+    prompts = [int(line.split()[3]) for line in err.splitlines() if line.startswith("prompt eval count")]
+    evals = [int(line.split()[2]) for line in err.splitlines() if line.startswith("eval count")]
+    assert len(prompts) == 2 and prompts[1] > prompts[0] + evals[0]  # turn two carries turn one
+
+
+def test_unload_load_and_ps(daemon, host_env, capsys):
+    r = gpushare(daemon, "unload", MODEL)
+    assert r.returncode == 0, r.stderr
+    assert MODEL not in daemon.loaded()
+    assert cli.main(["stop", MODEL]) == 1
+    assert f'model "{MODEL}" is not loaded' in capsys.readouterr().err
+    r = gpushare(daemon, "load", MODEL, "--keep-alive", "-1")
+    assert r.returncode == 0 and r.stdout.strip() == f"loaded {MODEL}", r.stderr
+    r = gpushare(daemon, "ps")
+    assert r.returncode == 0, r.stderr
+    header, row = r.stdout.splitlines()
+    assert header.split()[:6] == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"] and "KV BLOCKS" in header
+    assert row.startswith(MODEL) and "100% CPU" in row and "8192" in row and "Forever" in row
+    assert cli.main(["ps", "--json"]) == 0
+    (m,) = json.loads(capsys.readouterr().out)["models"]
+    assert m["kv_blocks_used"] == 0 and m["kv_blocks_total"] > 0
+    assert cli.main(["load", MODEL, "--keep-alive", "soon"]) == 1
+    assert "--keep-alive: must be a duration" in capsys.readouterr().err
+
+
+def test_create_and_rm(daemon, host_env, smollm2_path, capsys):
+    r = gpushare(daemon, "create", "mine:q4", "--from", smollm2_path)
+    assert r.returncode == 0, r.stderr
+    assert os.path.islink(daemon.models_dir / "mine:q4.gguf")
+    assert cli.main(["list", "--json"]) == 0
+    assert {m["name"] for m in json.loads(capsys.readouterr().out)["models"]} == {MODEL, "mine:q4"}
+    r = gpushare(daemon, "rm", "mine:q4")
+    assert r.returncode == 0 and r.stdout.strip() == "deleted 'mine:q4'", r.stderr
+    assert not (daemon.models_dir / "mine:q4.gguf").exists() and os.path.exists(smollm2_path)
+    assert cli.main(["create", "bad", "--from", str(daemon.models_dir)]) == 1
+    assert "neither a .gguf file" in capsys.readouterr().err
+    assert cli.main(["rm", MODEL]) == 1
+    assert "defined in the config file" in capsys.readouterr().err
+
+
+def test_sigterm_drains_then_ends_open_streams_with_an_error(daemon):
+    """Last: stops the module's daemon. A stream open at SIGTERM runs on for drain_timeout (2 s),
+    then ends with an error object; the daemon exits 0."""
+    conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=60)
+    body = {"model": MODEL, "prompt": "Write a very long story.", "options": {"num_predict": 500}}
+    conn.request("POST", "/api/generate", json.dumps(body))
+    resp = conn.getresponse()
+    assert json.loads(resp.readline())["done"] is False
+    daemon.proc.send_signal(signal.SIGTERM)
+    lines = [json.loads(line) for line in resp if line.strip()]
+    assert len(lines) > 1 and all(not line.get("done") for line in lines)  # it kept streaming while draining
+    assert "error" in lines[-1] and "cancelled" in lines[-1]["error"]
+    assert daemon.proc.wait(30) == 0
+    assert "draining requests" in daemon.log() and "stopped" in daemon.log()

@@ -1,0 +1,91 @@
+"""Config parsing: defaults, environment overrides, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpushare.config import (BUNDLED_MODEL_NAME, ConfigError, load_settings, parse_duration_s, parse_host,
+                             parse_settings, parse_size_bytes)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults_serve_the_bundled_model_on_ollamas_port(smollm2_path):
+    s = parse_settings(None, env={})
+    assert s.server.host == "127.0.0.1:11434" and s.server.keep_alive_s == 300
+    assert [(m.name, m.path) for m in s.models] == [(BUNDLED_MODEL_NAME, smollm2_path)]
+    assert s.models_dir == Path("~/.local/share/gpushare/models").expanduser()
+    assert (s.engine.max_num_seqs, s.engine.block_size, s.memory.kv_budget_bytes) == (64, 16, 2 << 30)
+
+
+def test_environment_overrides_the_file():
+    env = {"GPUSHARE_HOST": "0.0.0.0:9999", "GPUSHARE_MODELS": "/srv/models", "GPUSHARE_KEEP_ALIVE": "-1"}
+    s = parse_settings({"server": {"host": "127.0.0.1:1", "keep_alive": "1m"}, "models_dir": "/x"}, env=env)
+    assert (s.server.host, str(s.models_dir), s.server.keep_alive_s) == ("0.0.0.0:9999", "/srv/models", -1.0)
+
+
+def test_a_file_with_relative_model_paths_and_host_flag(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUSHARE_HOST", raising=False)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [{"name": "m", "path": "m.gguf", "keep_alive": "10m",
+                                               "preload": True}]}))
+    s = load_settings(cfg, host=":8080")
+    assert s.models[0].path == str(tmp_path / "m.gguf") and s.models[0].keep_alive_s == 600
+    assert s.models[0].preload and parse_host(s.server.host) == ("127.0.0.1", 8080)
+
+
+@pytest.mark.parametrize("name", ["reference.yaml", "workstation.yaml"])
+def test_example_configs_are_valid(name):
+    s = load_settings(CONFIGS / name)
+    assert s.server.host
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"engine": {"max_num_seqs": -1}}, "engine.max_num_seqs: must be a positive integer, got -1"),
+    ({"engine": {"block_size": "16"}}, "engine.block_size: must be a positive integer, got '16'"),
+    ({"engine": {"dtype": "fp8"}}, "engine.dtype: must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+    ({"engine": {"max_seqs": 4}}, "engine.max_seqs: unknown key"),
+    ({"server": {"host": "localhost:99999"}}, "server.host: must be HOST:PORT with a port in 1..65535"),
+    ({"server": {"drain_timeout": "soon"}}, "server.drain_timeout: must be a duration like 30s"),
+    ({"server": {"max_queued": -3}}, "server.max_queued: must be a non-negative integer, got -3"),
+    ({"server": "yes"}, "server: must be a mapping"),
+    ({"memory": {"kv_budget": "lots"}}, "memory.kv_budget: must be a size like 512MiB"),
+    ({"memory": {"budget": "1GiB", "kv_budget": "2GiB"}}, "memory.budget: must be at least memory.kv_budget"),
+    ({"models": {"name": "x"}}, "models: must be a list"),
+    ({"models": [{"name": "x"}]}, "models[0].path: required"),
+    ({"models": [{"name": "x", "path": "/no/such.gguf"}]}, "models[0].path: no such file or folder"),
+    ({"models": [{"name": "x", "path": "/", "keep_alive": "forever"}]}, "models[0].keep_alive: must be a duration"),
+    ({"models": [{"name": "x", "path": "/"}, {"name": "x", "path": "/"}]}, "models[1].name: duplicate model name"),
+    ({"node": {"manage": "yes please"}}, "node.manage"),
+    ({"servers": {}}, "servers: unknown key"),
+])
+def test_errors_name_the_key_and_the_problem(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse_settings(raw, env={})
+    assert message in str(info.value)
+
+
+def test_unreadable_or_invalid_yaml_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_settings(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_settings(bad)
+
+
+def test_bad_environment_values_name_the_variable():
+    with pytest.raises(ConfigError, match="GPUSHARE_KEEP_ALIVE: must be a duration"):
+        parse_settings(None, env={"GPUSHARE_KEEP_ALIVE": "a while"})
+    with pytest.raises(ConfigError, match="GPUSHARE_HOST: must be HOST:PORT"):
+        parse_settings(None, env={"GPUSHARE_HOST": "host:port"})
+
+
+def test_durations_sizes_and_hosts():
+    assert [parse_duration_s(v) for v in (30, "500ms", "5m", "1h30m", "-1", "-1m", "0")] == \
+        [30, 0.5, 300, 5400, -1, -60, 0]
+    assert [parse_size_bytes(v) for v in (1024, "512MiB", "8GiB", "2GB")] == [1024, 512 << 20, 8 << 30, 2 * 10**9]
+    assert parse_host("0.0.0.0") == ("0.0.0.0", 11434)
+    assert parse_host("http://[::1]:8000/") == ("::1", 8000)

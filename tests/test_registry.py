@@ -1,0 +1,216 @@
+"""The model registry against a real Engine: on-demand loads, keep_alive, eviction, models_dir.
+
+Loading is the session's already-loaded SmolLM2 (conftest `llm`), handed out by a counting
+loader, so each "load" costs an engine.add_model, not a 15 s GGUF parse.
+"""
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+
+from gpushare.config import ModelEntry, Settings
+from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
+
+
+class CountingLoader:
+    def __init__(self, loaded_model, delay_s: float = 0.0, fail: bool = False):
+        self.loaded_model = loaded_model
+        self.delay_s = delay_s
+        self.fail = fail
+        self.calls: list[str] = []
+
+    def __call__(self, path, dtype, device):
+        self.calls.append(path)
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise ValueError(f"{path}: corrupt or truncated GGUF file")
+        return self.loaded_model
+
+
+@pytest.fixture
+def engine():
+    e = Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def make_registry(engine, tmp_path, smollm2_path, loader, names=("a", "b", "c"), **memory):
+    settings = Settings(models=[ModelEntry(n, smollm2_path) for n in names], models_dir=tmp_path / "models")
+    settings.memory.kv_budget_bytes = 8 << 20
+    settings.memory.max_loaded_models = memory.get("max_loaded_models", 2)
+    settings.engine.max_num_seqs = engine.config.max_num_seqs
+    settings.server.max_queued = 1
+    return Registry(engine, settings, device="cpu", dtype="float32", loader=loader)
+
+
+def loaded_names(engine) -> set[str]:
+    return set(engine.stats().models)
+
+
+async def eventually(predicate, timeout_s: float = 10) -> bool:
+    """Poll on the event loop: removal from the engine finishes in a worker thread."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+def test_concurrent_requests_load_once(engine, tmp_path, smollm2_path, llm):
+    loader = CountingLoader(llm.model, delay_s=0.3)
+    reg = make_registry(engine, tmp_path, smollm2_path, loader)
+
+    async def one():
+        async with reg.use("a") as lease:
+            await asyncio.sleep(0.05)
+            return lease
+
+    async def main():
+        return await asyncio.gather(one(), one(), one())
+
+    leases = asyncio.run(main())
+    assert len(loader.calls) == 1 and loaded_names(engine) == {"a"}
+    assert len({id(lease.entry) for lease in leases}) == 1
+    assert all(lease.load_duration_s >= 0.25 for lease in leases)  # each waited for the one load
+
+
+def test_keep_alive_zero_unloads_after_the_request_and_a_timer_otherwise(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model))
+
+    async def main():
+        async with reg.use("a", keep_alive_s=0):
+            assert loaded_names(engine) == {"a"}
+        assert await eventually(lambda: loaded_names(engine) == set())
+        async with reg.use("b", keep_alive_s=0.5):
+            pass
+        await asyncio.sleep(0.3)
+        async with reg.use("b", keep_alive_s=0.5):  # resets the timer
+            pass
+        await asyncio.sleep(0.3)
+        assert "b" in loaded_names(engine)  # 0.6 s after its first use, 0.3 s after the second
+        assert await eventually(lambda: "b" not in loaded_names(engine))
+        async with reg.use("c", keep_alive_s=-1):
+            pass
+        assert reg.get_loaded("c").expires_at is None
+
+    asyncio.run(main())
+
+
+def test_keep_alive_precedence_request_then_model_then_server(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model))
+    reg.settings.models[0].keep_alive_s = 60.0
+    reg.settings.server.keep_alive_s = 7.0
+
+    async def main():
+        await reg.load("a")
+        await reg.load("b")
+        assert reg.get_loaded("a").keep_alive_s == 60.0  # the model's own
+        assert reg.get_loaded("b").keep_alive_s == 7.0  # the server default
+        await reg.load("a", keep_alive_s=3.0)
+        assert reg.get_loaded("a").keep_alive_s == 3.0
+        assert abs(reg.get_loaded("a").expires_at - (time.time() + 3.0)) < 1
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_a_busy_model_is_never_unloaded(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model))
+
+    async def main():
+        async with reg.use("a", keep_alive_s=0.1):
+            await reg.unload("a")
+            await asyncio.sleep(0.3)
+            assert loaded_names(engine) == {"a"}
+        assert await eventually(lambda: loaded_names(engine) == set())
+
+    asyncio.run(main())
+
+
+def test_idle_models_are_evicted_least_recently_used_first(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model), max_loaded_models=2)
+
+    async def main():
+        await reg.load("a")
+        await reg.load("b")
+        await reg.load("a")  # a is now the more recent
+        await reg.load("c")
+        assert loaded_names(engine) == {"a", "c"}
+        async with reg.use("a"), reg.use("c"):
+            with pytest.raises(RegistryFull, match="none is idle"):
+                await reg.load("b")
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_kv_pool_is_the_budget_split_by_max_loaded_models(engine, tmp_path, smollm2_path, llm):
+    from gpushare.engine.kv_cache import kv_bytes_per_block
+
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model), max_loaded_models=2)
+    asyncio.run(reg.load("a"))
+    per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
+    assert engine.stats().models["a"].blocks_total == (4 << 20) // per_block
+
+
+def test_too_many_requests_for_one_model_is_full(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model))
+    assert reg.max_requests_per_model == 3  # max_num_seqs 2 + max_queued 1
+
+    async def main():
+        async with reg.use("a"), reg.use("a"), reg.use("a"):
+            with pytest.raises(RegistryFull, match="3 requests in flight"):
+                async with reg.use("a"):
+                    pass
+        await reg.close()
+
+    asyncio.run(main())
+
+
+def test_unknown_models_and_latest_tag(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model), names=("tiny:latest",))
+    assert reg.find("tiny").name == "tiny:latest"
+    with pytest.raises(ModelNotFound, match='model "nope" not found'):
+        reg.find("nope")
+
+
+def test_a_failed_load_is_reported_and_retried(engine, tmp_path, smollm2_path, llm):
+    loader = CountingLoader(llm.model, fail=True)
+    reg = make_registry(engine, tmp_path, smollm2_path, loader)
+
+    async def main():
+        with pytest.raises(ModelLoadError, match='failed to load model "a": .*corrupt'):
+            await reg.load("a")
+        loader.fail = False
+        await reg.load("a")
+        await reg.close()
+
+    asyncio.run(main())
+    assert len(loader.calls) == 2
+
+
+def test_models_dir_scan_create_and_remove(engine, tmp_path, smollm2_path, llm):
+    reg = make_registry(engine, tmp_path, smollm2_path, CountingLoader(llm.model), names=("a",))
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    created = reg.create("mine:q4", smollm2_path)
+    assert created.origin == "models_dir" and os.path.realpath(created.path) == os.path.realpath(smollm2_path)
+    reg.create("folder", str(hf))
+    reg.create("alias", "a")  # from a model name
+    assert {"a", "mine:q4", "folder", "alias"} <= set(reg.sources())
+    with pytest.raises(RegistrationError, match="already exists"):
+        reg.create("mine:q4", smollm2_path)
+    with pytest.raises(RegistrationError, match="neither a .gguf file"):
+        reg.create("bad", str(tmp_path))
+    asyncio.run(reg.remove("mine:q4"))
+    assert "mine:q4" not in reg.sources() and os.path.exists(smollm2_path)
+    with pytest.raises(RegistrationError, match="defined in the config file"):
+        asyncio.run(reg.remove("a"))
+    (reg.settings.models_dir / "copied.gguf").write_bytes(b"GGUF")
+    with pytest.raises(RegistrationError, match="delete it yourself"):
+        asyncio.run(reg.remove("copied"))
