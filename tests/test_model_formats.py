@@ -40,7 +40,7 @@ def test_random_llama_matches_transformers(smollm2_path, tmp_path):
     engine.add_model("tiny", ours, kv_cache_bytes=1 << 20)
     runner = engine.workers["tiny"].runner
     seq = Sequence("x", "tiny", ids, greedy(), lambda out: None)
-    assert engine.workers["tiny"].scheduler.pool.grow(seq.block_table, len(ids))
+    assert engine.workers["tiny"].scheduler.pool.grow(seq.block_table, len(ids)) is None
     hidden, last = runner.hidden_states([seq], [len(ids)])
     got = ours.model.logits(hidden)
     expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(torch.tensor([ids])).logits[0]

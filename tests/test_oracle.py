@@ -66,7 +66,7 @@ def test_last_position_logits_agree(llm, hf_model):
     from gpushare.engine.sequence import Sequence
 
     seq = Sequence("logits-check", llm.model_name, ids, greedy(), lambda out: None)
-    assert pool.grow(seq.block_table, len(ids))
+    assert pool.grow(seq.block_table, len(ids)) is None
     try:
         hidden, last = runner.hidden_states([seq], [len(ids)])
         ours = llm.model.model.logits(hidden[last[0]])

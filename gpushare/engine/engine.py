@@ -6,6 +6,7 @@ Each loop turn runs one step of one model; models with work share steps by weigh
 """
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
+from gpushare.engine.tenants import TenantLedger, TenantPolicy, TenantStats
 from gpushare.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,12 @@ class EngineConfig:
     block_size: int = 16
     num_threads: int | None = None  # torch intra-op threads for the engine; None keeps torch's choice
     idle_tick_s: float = 0.5  # how often an idle loop wakes (keeps the liveness stamp fresh)
+    prefix_cache: str = "tenant"  # share cached prefix blocks within a tenant | "global" | "off"
+    cpus: list[int] | None = None  # pin the engine thread (and torch's pool) to these CPUs
+
+    def __post_init__(self):
+        if self.prefix_cache not in ("tenant", "global", "off"):
+            raise ValueError(f"prefix_cache must be tenant, global or off, got {self.prefix_cache!r}")
 
 
 @dataclass
@@ -47,6 +55,7 @@ class ModelStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    cached_blocks: int = 0
 
 
 @dataclass
@@ -72,6 +81,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.workers: dict[str, ModelWorker] = {}  # mutated only on the engine thread
         self.requests: dict[str, Sequence] = {}
+        self.ledger = TenantLedger()
+        self.thread_native_id: int | None = None
         self.steps = 0
         self.last_tick_s = time.monotonic()
         self.on_step: Callable[["Engine"], None] | None = None  # test hook: runs after every step
@@ -103,7 +114,7 @@ class Engine:
             num_blocks = kv_cache_bytes // per_block
             if num_blocks < 1:
                 raise ValueError(f"kv cache budget {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
-            pool = BlockPool(num_blocks, self.config.block_size)
+            pool = BlockPool(num_blocks, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
             scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
             self.workers[name] = ModelWorker(name, loaded, scheduler, ModelRunner(loaded, pool), share_weight)
 
@@ -116,6 +127,32 @@ class Engine:
                 self._finish(worker, seq, "abort", error=f"model {name!r} was unloaded")
 
         self._run_on_engine(remove)
+
+    def set_tenants(self, policies: list[TenantPolicy]) -> None:
+        """Replace the tenant policies (live: running requests keep their blocks)."""
+        by_name = {p.name: p for p in policies}
+        self._run_on_engine(lambda: setattr(self.ledger, "policies", by_name))
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        ledger = self.ledger
+        pools = [w.scheduler.pool for w in list(self.workers.values())]
+        bytes_per_token = max((p.bytes_per_token for p in pools), default=0)
+        names = set(ledger.policies) | set(ledger.used_bytes) | set(ledger.computed_tokens)
+        out = {}
+        for name in names:
+            policy = ledger.policy(name)
+            out[name] = TenantStats(kv_used_bytes=ledger.used_bytes.get(name, 0),
+                                    kv_reserved_bytes=policy.reserved_bytes(bytes_per_token),
+                                    kv_limit_bytes=policy.limit_bytes(bytes_per_token),
+                                    computed_tokens=ledger.computed_tokens.get(name, 0),
+                                    generated_tokens=ledger.generated_tokens.get(name, 0),
+                                    prefix_hit_tokens=ledger.prefix_hit_tokens.get(name, 0))
+        for w in list(self.workers.values()):
+            for seq in list(w.scheduler.running):
+                out.setdefault(seq.tenant, TenantStats()).running += 1
+            for seq in list(w.scheduler.waiting):
+                out.setdefault(seq.tenant, TenantStats()).waiting += 1
+        return out
 
     def submit(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None,
@@ -154,7 +191,7 @@ class Engine:
                 blocks_total=pool.num_blocks, block_size=pool.block_size, blocks_used=pool.num_used,
                 running=len(w.scheduler.running), waiting=len(w.scheduler.waiting), steps=w.steps,
                 prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
-                preemptions=w.scheduler.num_preemptions)
+                preemptions=w.scheduler.num_preemptions, cached_blocks=len(pool.cached))
         return out
 
     # ---- validation (caller's thread) ----------------------------------------------------
@@ -180,6 +217,10 @@ class Engine:
         if pool.blocks_for(len(prompt_ids) + max_tokens) > pool.num_blocks:
             raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
                              f"than the whole pool ({pool.num_blocks * pool.block_size} tokens)")
+        limit = self.ledger.policy(tenant).limit_bytes(pool.bytes_per_token)
+        if limit is not None and pool.blocks_for(len(prompt_ids) + max_tokens) * pool.block_bytes > limit:
+            raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
+                             f"than tenant {tenant!r}'s kv_limit ({limit // pool.bytes_per_token} tokens)")
         seq = Sequence(request_id or uuid.uuid4().hex, model_name, list(prompt_ids), params, on_output, tenant,
                        max_tokens=max_tokens)
         if params.seed is not None:
@@ -195,6 +236,10 @@ class Engine:
         return future.result()
 
     def _loop(self) -> None:
+        self.thread_native_id = threading.get_native_id()
+        if self.config.cpus:
+            # Before torch's first parallel region here, so its pool inherits the mask.
+            os.sched_setaffinity(0, self.config.cpus)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         while not self._stopping:
@@ -255,6 +300,7 @@ class Engine:
             for seq in batch.seqs:
                 self._finish(worker, seq, "error", error=f"engine step failed: {e}")
             return
+        worker.scheduler.after_step(batch)
         worker.steps += 1
         self.steps += 1
         worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
@@ -268,6 +314,7 @@ class Engine:
             seq.first_token_time_s = time.monotonic()
         seq.output_ids.append(token)
         worker.generated_tokens += 1
+        self.ledger.generated_tokens[seq.tenant] = self.ledger.generated_tokens.get(seq.tenant, 0) + 1
         loaded = worker.loaded
         params = seq.params
         if token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids):
@@ -306,13 +353,13 @@ class Engine:
         try:
             for seq in seqs:
                 # Embedding inputs borrow blocks for one forward pass; running requests keep theirs.
-                while not pool.grow(seq.block_table, seq.num_tokens):
+                while pool.grow(seq.block_table, seq.num_tokens) is not None:
                     victim = worker.scheduler.running[-1]
-                    worker.scheduler._preempt(victim)
+                    worker.scheduler.preempt(victim)
                 try:
                     vectors.append(worker.runner.embed(seq))
                 finally:
-                    pool.release(seq.block_table)
+                    pool.release(seq.block_table, seq.tenant)
             future.set_result(vectors)
         except Exception as e:
             future.set_exception(e)

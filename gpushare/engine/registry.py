@@ -1,18 +1,15 @@
-"""Model registry: which models exist, which are loaded, loading on demand and keep_alive.
+"""Model registry: the models a request can name, leases on loaded ones, keep_alive, live reconfiguration.
 
-Models come from the config's `models` list and from a scan of `models_dir` (every
-``*.gguf`` file and every folder holding a config.json; the config wins a name clash).
-A request takes a lease with `use()`: the model is loaded if needed (in a worker thread;
-concurrent requests for one model share one load), its in-flight count keeps it resident,
-and when the last request ends the keep_alive timer starts. keep_alive as Ollama means
-it: seconds (negative = forever, 0 = unload when idle); each request sets it anew (the
-request's value, else the model's, else the server default).
+What exists comes from model_catalog (config entries and models_dir); what is loaded, and
+loading within one memory budget, from residency. A request takes a lease with `use()`:
+a loaded model serves at once, an unloaded one is loaded first (one load however many
+ask; see residency for the budget, evictions and the warm tier), and while any lease is
+held the model is never unloaded.
 
-Each loaded model gets a KV pool of kv_budget / max_loaded_models bytes. When a load
-would pass max_loaded_models or memory.budget, idle models are unloaded least recently
-used first; busy ones never are. memory.budget counts the loaded models' weights and KV
-pools; a model not yet loaded is estimated by its file size (a quantised GGUF grows
-when dequantised, so the estimate is low until it has loaded).
+keep_alive as Ollama means it: seconds (negative = forever, 0 = unload when idle); each
+request sets it anew (the request's value, else the model's, else the server default)
+and the timer starts when the model's last request ends. A pinned model ignores it.
+Each loaded model gets a KV pool of kv_budget / max_loaded_models bytes.
 
 Runs on the asyncio loop; the engine and the loader are only called from worker threads.
 """
@@ -20,131 +17,22 @@ Runs on the asyncio loop; the engine and the loader are only called from worker 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare.config import Settings
+from gpushare.engine.memory_budget import default_budget_bytes
+from gpushare.engine.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
+                                           describe_files, describe_model, model_sources)
+from gpushare.engine.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
+
+__all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
 log = logging.getLogger("gpushare.registry")
-
-
-class ModelNotFound(KeyError):
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class RegistryFull(RuntimeError):
-    """No room: too many requests queued for a model, or no idle model left to evict."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ModelLoadError(RuntimeError):
-    pass
-
-
-class RegistrationError(ValueError):
-    """`create` or `remove` refused: a bad name or path, or a model the config defines."""
-
-
-@dataclass
-class ModelSource:
-    name: str
-    path: str
-    keep_alive_s: float | None = None  # None: the server default
-    origin: str = "config"  # "config" | "models_dir"
-
-    @property
-    def format(self) -> str:
-        return "safetensors" if os.path.isdir(self.path) else "gguf"
-
-    def size_bytes(self) -> int:
-        if os.path.isdir(self.path):
-            return sum(p.stat().st_size for p in Path(self.path).glob("*.safetensors"))
-        return os.path.getsize(self.path)
-
-    def modified_at(self) -> float:
-        return os.path.getmtime(self.path)
-
-    def digest(self) -> str:
-        """A stable ID from path, size and mtime (hashing multi-GB weights on every list is too slow)."""
-        key = f"{os.path.realpath(self.path)}:{self.size_bytes()}:{self.modified_at()}"
-        return hashlib.sha256(key.encode()).hexdigest()
-
-
-@dataclass
-class LoadedEntry:
-    source: ModelSource
-    model: object  # gpushare.models.loader.LoadedModel
-    kv_cache_bytes: int
-    load_duration_s: float
-    keep_alive_s: float
-    active: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
-    timer: asyncio.TimerHandle | None = None
-
-    @property
-    def name(self) -> str:
-        return self.source.name
-
-    @property
-    def size_bytes(self) -> int:
-        return self.model.weight_bytes + self.kv_cache_bytes
-
-
-@dataclass
-class ModelDescription:
-    """What /api/show and /api/tags tell about a model, read from its files or its loaded form."""
-    details: dict  # Ollama's details: format, family, families, parameter_size, quantization_level
-    model_info: dict  # GGUF-style keys: general.architecture, <arch>.context_length, ...
-    template: str | None
-    context_length: int
-
-
-def describe_model(config, template: str | None, info: dict, parameter_count: int | None) -> ModelDescription:
-    arch = config.arch
-    model_info = {
-        "general.architecture": arch,
-        f"{arch}.context_length": config.context_length,
-        f"{arch}.embedding_length": config.hidden_size,
-        f"{arch}.feed_forward_length": config.intermediate_size,
-        f"{arch}.block_count": config.num_layers,
-        f"{arch}.attention.head_count": config.num_heads,
-        f"{arch}.attention.head_count_kv": config.num_kv_heads,
-        f"{arch}.vocab_size": config.vocab_size,
-        f"{arch}.rope.freq_base": config.rope_theta,
-    }
-    if parameter_count:
-        model_info["general.parameter_count"] = parameter_count
-    size_label = info.get("parameter_size") or (_size_label(parameter_count) if parameter_count else "")
-    details = {"parent_model": "", "format": info.get("format", ""), "family": arch, "families": [arch],
-               "parameter_size": size_label, "quantization_level": info.get("quantization_level") or ""}
-    return ModelDescription(details, model_info, template, config.context_length)
-
-
-def _size_label(count: int) -> str:
-    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M"
-
-
-def describe_loaded(model) -> ModelDescription:
-    count = sum(p.numel() for p in model.model.parameters())
-    return describe_model(model.config, model.template_source, model.metadata, count)
-
-
-def describe_files(path: str) -> ModelDescription:
-    """Read only what describes the model (no weights); a GGUF takes a few seconds: cache it."""
-    from gpushare.models.loader import read_model_info
-
-    config, template, info = read_model_info(path)
-    return describe_model(config, template, info, None)
 
 
 @dataclass
@@ -158,47 +46,38 @@ class Lease:
         return self.entry.model
 
 
-def scan_models_dir(models_dir: Path) -> list[ModelSource]:
-    """*.gguf files (name: the file name without .gguf) and HF folders (name: the folder name)."""
-    if not models_dir.is_dir():
-        return []
-    found = []
-    for p in sorted(models_dir.iterdir()):
-        if p.name.startswith("."):
-            continue
-        if p.suffix == ".gguf" and p.is_file():
-            found.append(ModelSource(p.name[: -len(".gguf")], str(p), origin="models_dir"))
-        elif p.is_dir() and (p / "config.json").is_file():
-            found.append(ModelSource(p.name, str(p), origin="models_dir"))
-    return found
-
-
-def _default_loader(path: str, dtype: str, device: str):
+def _default_loader(path: str, dtype: str, device: str, progress):
     from gpushare.models.loader import load_model
 
-    return load_model(path, dtype=dtype, device=device)
+    return load_model(path, dtype=dtype, device=device, progress=progress)
 
 
 class Registry:
     def __init__(self, engine, settings: Settings, *, device: str, dtype: str, loader=_default_loader):
         self.engine = engine
-        self.settings = settings
         self.device = device
         self.dtype = dtype
-        self._loader = loader
-        self._loaded: dict[str, LoadedEntry] = {}
-        self._loading: dict[str, asyncio.Task] = {}
-        self._unloading: dict[str, asyncio.Task] = {}
+        self.residency = Residency(engine, device=device, dtype=dtype, loader=loader, on_loaded=self._on_loaded,
+                                   release=self._release)
         self._descriptions: dict[str, ModelDescription] = {}  # by ModelSource.digest()
+        self._background: set[asyncio.Task] = set()
+        self._apply_limits(settings)
+
+    def _apply_limits(self, settings: Settings) -> None:
+        self.settings = settings
+        mem, res = settings.memory, self.residency
+        res.budget_bytes = mem.budget_bytes
+        if res.budget_bytes is None:
+            res.budget_bytes = default_budget_bytes(self.device, mem.host_cache_bytes)
+        res.max_models = mem.max_loaded_models
+        res.kv_bytes_per_model = mem.kv_budget_bytes // mem.max_loaded_models
+        res.warm.resize(mem.host_cache_bytes)
         self.max_requests_per_model = settings.engine.max_num_seqs + settings.server.max_queued
 
     # ------------------------------------------------------------------ what exists
 
     def sources(self) -> dict[str, ModelSource]:
-        found = {s.name: s for s in scan_models_dir(self.settings.models_dir)}
-        for m in self.settings.models:
-            found[m.name] = ModelSource(m.name, m.path, m.keep_alive_s, origin="config")
-        return found
+        return model_sources(self.settings)
 
     def find(self, name: str) -> ModelSource:
         """The model called `name` (or `name:latest`, as Ollama resolves a bare name)."""
@@ -206,15 +85,38 @@ class Registry:
         for candidate in (name, f"{name}:latest", name.removesuffix(":latest")):
             if candidate in sources:
                 return sources[candidate]
-        if name in self._loaded:  # its file was removed after loading; it still serves
-            return self._loaded[name].source
+        entry = self.residency.loaded.get(name)
+        if entry is not None and not entry.retired:  # its file was removed after loading; it still serves
+            return entry.source
         raise ModelNotFound(f'model "{name}" not found')
 
     def loaded(self) -> list[LoadedEntry]:
-        return list(self._loaded.values())
+        return list(self.residency.loaded.values())
+
+    def loading(self) -> list[LoadJob]:
+        return list(self.residency.jobs.values())
 
     def get_loaded(self, name: str) -> LoadedEntry | None:
-        return self._loaded.get(name)
+        return self.residency.loaded.get(name)
+
+    def get_loading(self, name: str) -> LoadJob | None:
+        return self.residency.jobs.get(name)
+
+    def state(self, source: ModelSource) -> str:
+        """"loaded", "loading", "warm" (built in host memory: a fast load) or "on disk"."""
+        entry = self.residency.loaded.get(source.name)
+        if entry is not None and entry.source.path == source.path:
+            return "loaded"
+        if source.name in self.residency.jobs:
+            return "loading"
+        return "warm" if self.residency.warm_key(source) in self.residency.warm else "on disk"
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.residency.budget_bytes
+
+    def used_bytes(self) -> int:
+        return self.residency.used_bytes()
 
     def cached_description(self, source: ModelSource) -> ModelDescription | None:
         """The description if known without reading files (loaded, or described before)."""
@@ -262,6 +164,7 @@ class Registry:
             raise RegistrationError(f'model "{source.name}" is a file in the models directory, not a link made by '
                                     f"create; delete it yourself: {source.path}")
         await self.unload(source.name)
+        self.residency.warm.take(self.residency.warm_key(source))
         os.unlink(source.path)
 
     # ------------------------------------------------------------------ requests
@@ -270,25 +173,22 @@ class Registry:
     async def use(self, name: str, keep_alive_s: float | None = None):
         """Hold `name` loaded for one request; raises ModelNotFound, RegistryFull, ModelLoadError."""
         source = self.find(name)
-        entry = self._loaded.get(source.name)
-        if entry is not None:
+        t0 = time.monotonic()
+        entry = self.residency.loaded.get(source.name)
+        if entry is not None and not entry.retired:
             if entry.active >= self.max_requests_per_model:
                 raise RegistryFull(f'model "{source.name}" has {entry.active} requests in flight, the most it '
                                    f"queues (engine.max_num_seqs + server.max_queued); retry later")
-            lease = Lease(entry, 0.0)
-        else:  # load it, or wait for the load another request started
-            t0 = time.monotonic()
-            entry = await self._ensure_loaded(source)
-            lease = Lease(entry, time.monotonic() - t0)
-        entry.active += 1
+            entry.active += 1
+        else:
+            entry = await self.residency.join(source, self.max_requests_per_model)  # returns holding our lease
+        lease = Lease(entry, time.monotonic() - t0)
+        entry.last_used = time.monotonic()
         self._set_keep_alive(entry, keep_alive_s)
         try:
             yield lease
         finally:
-            entry.active -= 1
-            entry.last_used = time.monotonic()
-            if entry.active == 0:
-                self._arm_timer(entry)
+            self._release(entry)
 
     async def load(self, name: str, keep_alive_s: float | None = None) -> Lease:
         """Load without a request (Ollama's empty prompt): resets keep_alive as a request would."""
@@ -298,128 +198,107 @@ class Registry:
     async def unload(self, name: str) -> bool:
         """Unload now if idle, else when its last request ends. False if it was not loaded."""
         source = self.find(name)
-        if source.name in self._loading:
-            await asyncio.shield(self._loading[source.name])
-        entry = self._loaded.get(source.name)
+        if source.pinned:
+            raise RegistrationError(f'model "{source.name}" is pinned (models[].pinned in the config): it stays '
+                                    f"loaded")
+        job = self.residency.jobs.get(source.name)
+        if job is not None:
+            await asyncio.gather(job.task, return_exceptions=True)
+        entry = self.residency.loaded.get(source.name)
         if entry is None:
             return False
         entry.keep_alive_s = 0.0
         if entry.active == 0:
-            await self._unload(entry)
+            await asyncio.shield(self.residency.start_unload(entry))
         return True
 
+    async def preload(self) -> None:
+        """Load every model the config marks preload or pinned (a failure raises: at start it stops the daemon)."""
+        for m in self.settings.models:
+            if (m.preload or m.pinned) and m.name not in self.residency.loaded:
+                await self.load(m.name)
+
     async def close(self) -> None:
-        for task in list(self._loading.values()):
-            await asyncio.gather(task, return_exceptions=True)
-        for entry in list(self._loaded.values()):
-            await self._unload(entry)
+        await self.residency.close()
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Take a new config live (call on the event loop): the model list, keep_alive defaults, budgets.
+
+        Requests in flight run on. A loaded model whose entry is gone (or now names another
+        file) takes no new request and unloads once idle; pinned and keep_alive changes apply
+        to loaded models at once, weight from their next load; a smaller budget or
+        max_loaded_models unloads idle models, least recently used first; new preload or
+        pinned models load in the background.
+        """
+        self._apply_limits(settings)
+        sources = self.sources()
+        for entry in list(self.residency.loaded.values()):
+            new = sources.get(entry.name)
+            if new is None or new.path != entry.source.path:
+                entry.retired = True
+                if entry.active == 0:
+                    self.residency.start_unload(entry)
+                continue
+            pinned_changed = new.pinned != entry.source.pinned
+            entry.source = new
+            if entry.active == 0 and pinned_changed:
+                self._arm_timer(entry)
+        self.residency.evict_over_limits()
+        self.residency.notify_room()
+        task = asyncio.get_running_loop().create_task(self._preload_logged())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _preload_logged(self) -> None:
+        try:
+            await self.preload()
+        except Exception as e:
+            log.error("preloading after a config reload failed: %s", e)
 
     # ------------------------------------------------------------------ keep_alive
+
+    def _on_loaded(self, entry: LoadedEntry) -> None:
+        self._descriptions[entry.warm_key[0]] = describe_model(entry.model.config, entry.model.template_source,
+                                                               entry.model.metadata, entry.parameter_count)
+        entry.keep_alive_s = self.settings.server.keep_alive_s
+        if entry.active == 0:  # every request that waited for it has left
+            self._set_keep_alive(entry, None)
+            self._arm_timer(entry)
 
     def _set_keep_alive(self, entry: LoadedEntry, keep_alive_s: float | None) -> None:
         for value in (keep_alive_s, entry.source.keep_alive_s, self.settings.server.keep_alive_s):
             if value is not None:
                 entry.keep_alive_s = value
                 break
+        self._cancel_timer(entry)
+        forever = entry.keep_alive_s < 0 or entry.source.pinned
+        entry.expires_at = None if forever else time.time() + entry.keep_alive_s
+
+    def _cancel_timer(self, entry: LoadedEntry) -> None:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        entry.expires_at = None if entry.keep_alive_s < 0 else time.time() + entry.keep_alive_s
 
     def _arm_timer(self, entry: LoadedEntry) -> None:
-        if entry.keep_alive_s < 0:
+        self._cancel_timer(entry)
+        if entry.keep_alive_s < 0 or entry.source.pinned:
             entry.expires_at = None
             return
         entry.expires_at = time.time() + entry.keep_alive_s
-        loop = asyncio.get_running_loop()
-        entry.timer = loop.call_later(entry.keep_alive_s, self._expire, entry)
+        entry.timer = asyncio.get_running_loop().call_later(entry.keep_alive_s, self._expire, entry)
 
     def _expire(self, entry: LoadedEntry) -> None:
         entry.timer = None
-        if entry.active == 0 and self._loaded.get(entry.name) is entry:
-            self._start_unload(entry)
+        if entry.active == 0 and self.residency.loaded.get(entry.name) is entry:
+            self.residency.start_unload(entry)
 
-    # ------------------------------------------------------------------ load / unload
-
-    async def _ensure_loaded(self, source: ModelSource) -> LoadedEntry:
-        while source.name in self._unloading:
-            await asyncio.shield(self._unloading[source.name])
-        if source.name in self._loaded:
-            return self._loaded[source.name]
-        task = self._loading.get(source.name)
-        if task is None:
-            evictions = self._make_room(source)  # synchronous: no other load can interleave
-            task = asyncio.get_running_loop().create_task(self._load(source, evictions))
-            self._loading[source.name] = task
-        # shield: a client that leaves does not cancel a load others may be waiting on
-        return await asyncio.shield(task)
-
-    def kv_cache_bytes_per_model(self) -> int:
-        return self.settings.memory.kv_budget_bytes // self.settings.memory.max_loaded_models
-
-    def _make_room(self, source: ModelSource) -> list[asyncio.Task]:
-        """Start unloading idle models (least recently used first) so that `source` fits."""
-        mem = self.settings.memory
-        idle = sorted((e for e in self._loaded.values() if e.active == 0), key=lambda e: e.last_used)
-        count = len(self._loaded) + len(self._loading)
-        used = sum(e.size_bytes for e in self._loaded.values())
-        need = source.size_bytes() + self.kv_cache_bytes_per_model()
-        victims = []
-        while count >= mem.max_loaded_models or (mem.budget_bytes is not None and used + need > mem.budget_bytes):
-            if not idle:
-                why = (f"{count} models loaded or loading (memory.max_loaded_models = {mem.max_loaded_models})"
-                       if count >= mem.max_loaded_models else
-                       f"{used + need} bytes needed, memory.budget is {mem.budget_bytes}")
-                raise RegistryFull(f'cannot load model "{source.name}": {why} and none is idle; retry later', 5)
-            victim = idle.pop(0)
-            victims.append(victim)
-            count -= 1
-            used -= victim.size_bytes
-        return [self._start_unload(v) for v in victims]
-
-    async def _load(self, source: ModelSource, evictions: list[asyncio.Task]) -> LoadedEntry:
-        try:
-            await asyncio.gather(*evictions)
-            t0 = time.monotonic()
-            kv_bytes = self.kv_cache_bytes_per_model()
-            log.info("loading model %s from %s", source.name, source.path)
-            try:
-                model = await asyncio.to_thread(self._load_blocking, source, kv_bytes)
-            except Exception as e:
-                log.warning("loading %s failed: %s", source.name, e)
-                raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
-            load_s = time.monotonic() - t0
-            log.info("loaded model %s in %.1fs", source.name, load_s)
-            entry = LoadedEntry(source, model, kv_bytes, load_s, self.settings.server.keep_alive_s)
-            self._descriptions[source.digest()] = describe_loaded(model)
-            self._loaded[source.name] = entry
-            return entry
-        finally:
-            del self._loading[source.name]
-
-    def _load_blocking(self, source: ModelSource, kv_bytes: int):
-        model = self._loader(source.path, self.dtype, self.device)
-        self.engine.add_model(source.name, model, kv_cache_bytes=kv_bytes)
-        return model
-
-    async def _unload(self, entry: LoadedEntry) -> None:
-        if self._loaded.get(entry.name) is entry:
-            await asyncio.shield(self._start_unload(entry))
-
-    def _start_unload(self, entry: LoadedEntry) -> asyncio.Task:
-        """Forget `entry` at once and remove it from the engine in a worker thread."""
-        log.info("unloading model %s", entry.name)
-        if entry.timer is not None:
-            entry.timer.cancel()
-            entry.timer = None
-        del self._loaded[entry.name]
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self.engine.remove_model, entry.name))
-        self._unloading[entry.name] = task
-        task.add_done_callback(lambda t: self._unload_done(entry.name, t))
-        return task
-
-    def _unload_done(self, name: str, task: asyncio.Task) -> None:
-        if self._unloading.get(name) is task:
-            del self._unloading[name]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("removing model %s from the engine failed: %s", name, task.exception())
+    def _release(self, entry: LoadedEntry) -> None:
+        """A lease ends; the last one starts the keep_alive timer (or the unload of a retired model)."""
+        entry.active -= 1
+        entry.last_used = time.monotonic()
+        if entry.active == 0 and self.residency.loaded.get(entry.name) is entry:
+            if entry.retired:
+                self.residency.start_unload(entry)
+            else:
+                self._arm_timer(entry)
+            self.residency.notify_room()  # an idle model may now be evicted for a waiting load

@@ -1,9 +1,12 @@
 """Scheduler: picks each step's batch for one model (continuous batching at token level).
 
 A step mixes every running sequence's next tokens (one for a decode, a chunk for a prompt still
-being prefilled) with new prompts, within ``max_num_batched_tokens`` and ``max_num_seqs``. When
-blocks run out, the newest running sequence is preempted: its blocks are freed and it is
-recomputed from its tokens later, so the engine never deadlocks.
+being prefilled) with new prompts, within ``max_num_batched_tokens`` and ``max_num_seqs``.
+New prompts are admitted interactive tenants first, then by smallest virtual token counter
+(weighted fair share across tenants), then oldest first; their cached prefix is reused.
+When blocks run out a running sequence is preempted (blocks freed, recomputed later) so the
+engine never deadlocks: a tenant at its KV limit only ever preempts its own newest sequence;
+a short pool takes from tenants above their reservation first, newest first.
 """
 
 from collections import deque
@@ -26,6 +29,7 @@ class Batch:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
         self.pool = pool
+        self.ledger = pool.ledger
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -33,6 +37,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        if seq.tenant not in active:
+            self.ledger.activate(seq.tenant, active)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -41,39 +48,73 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.max_num_batched_tokens
-        for seq in list(self.running):
+        for index, seq in enumerate(list(self.running)):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             chunk = min(seq.num_pending, budget)
-            while not self.pool.grow(seq.block_table, seq.num_computed + chunk):
-                victim = self.running[-1]
-                self._preempt(victim)
+            while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
+                victim = self._victim(seq, refused, batch)
+                self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
                 batch.add(seq, chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        blocked: set[str] = set()  # tenants that could not get blocks this step
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            candidates = [s for s in self.waiting if s.tenant not in blocked]
+            if not candidates:
+                return
+            seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant), s.arrival_s))
+            hit = self.pool.match_prefix(seq)
             chunk = min(seq.num_pending, budget)
-            if not self.pool.grow(seq.block_table, seq.num_computed + chunk):
-                break
-            self.waiting.popleft()
+            if self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant) is not None:
+                self._reset(seq)
+                blocked.add(seq.tenant)
+                continue
+            seq.num_cached = hit
+            if hit:
+                self.ledger.prefix_hit_tokens[seq.tenant] = self.ledger.prefix_hit_tokens.get(seq.tenant, 0) + hit
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.add(seq, chunk)
             budget -= chunk
-        return batch
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.pool.release(seq.block_table)
+    def _victim(self, seq: Sequence, refused: str, batch: Batch) -> Sequence:
+        """Whom to preempt so ``seq`` can grow; never a sequence already in this step's batch."""
+        scheduled = set(map(id, batch.seqs))
+        later = [s for s in self.running if id(s) not in scheduled]
+        if refused == "limit":
+            own = [s for s in later if s.tenant == seq.tenant]
+            return own[-1]
+        pool = self.pool
+        over = [s for s in later if pool.tenant_blocks(s.tenant) > pool.reserved_blocks(s.tenant)]
+        return over[-1] if over else seq
+
+    def _reset(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table, seq.tenant)
+        seq.block_keys.clear()
         seq.num_computed = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._reset(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def after_step(self, batch: Batch) -> None:
+        """Charge computed tokens to tenants and publish newly filled blocks to the prefix cache."""
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            self.ledger.count_computed(seq.tenant, chunk)
+            self.pool.register_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and give its blocks back."""
@@ -82,4 +123,4 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        self.pool.release(seq.block_table)
+        self._reset(seq)

@@ -45,6 +45,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # of which reused from the prefix cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     generator: torch.Generator | None = None
     first_token_time_s: float | None = None
     # Incremental detokenisation state (see Detokenizer in engine.py).

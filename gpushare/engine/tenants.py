@@ -1,0 +1,89 @@
+"""Tenants inside the engine: policies, KV use across models, and virtual token counters.
+
+A tenant's KV use is the bytes of the blocks its sequences hold, summed over every model's pool.
+``kv_limit`` caps it; ``kv_reserved`` keeps blocks aside in each pool that no other tenant may
+take (enforced per pool: a reservation is a guarantee wherever the tenant sends its requests).
+Token quantities (``*_tokens``) are turned into bytes with the bytes-per-token of the model.
+Fair share follows the VTC idea: each tenant's counter grows by the tokens computed for it divided
+by its weight, and waiting requests of the tenant with the smallest counter are admitted first.
+"""
+
+from dataclasses import dataclass, field
+
+PRIORITIES = ("interactive", "batch")
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class TenantPolicy:
+    name: str
+    kv_reserved_bytes: int = 0
+    kv_reserved_tokens: int = 0
+    kv_limit_bytes: int | None = None
+    kv_limit_tokens: int | None = None
+    weight: float = 1.0
+    priority: str = "interactive"
+
+    def __post_init__(self):
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"tenant {self.name}: priority must be one of {PRIORITIES}, got {self.priority!r}")
+        if not self.weight > 0:
+            raise ValueError(f"tenant {self.name}: weight must be > 0, got {self.weight!r}")
+
+    def reserved_bytes(self, bytes_per_token: int) -> int:
+        return max(self.kv_reserved_bytes, self.kv_reserved_tokens * bytes_per_token)
+
+    def limit_bytes(self, bytes_per_token: int) -> int | None:
+        limits = [x for x in (self.kv_limit_bytes,
+                              None if self.kv_limit_tokens is None else self.kv_limit_tokens * bytes_per_token)
+                  if x is not None]
+        return min(limits) if limits else None
+
+
+@dataclass
+class TenantStats:
+    kv_used_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    kv_limit_bytes: int | None = None
+    running: int = 0
+    waiting: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass
+class TenantLedger:
+    """Shared by every model's pool and scheduler; touched only on the engine thread."""
+
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)
+    used_bytes: dict[str, int] = field(default_factory=dict)
+    virtual_tokens: dict[str, float] = field(default_factory=dict)
+    computed_tokens: dict[str, int] = field(default_factory=dict)
+    generated_tokens: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.policies.get(tenant) or TenantPolicy(tenant)
+
+    def charge(self, tenant: str, delta_bytes: int) -> None:
+        self.used_bytes[tenant] = self.used_bytes.get(tenant, 0) + delta_bytes
+
+    def room_bytes(self, tenant: str, bytes_per_token: int) -> int | None:
+        """Bytes the tenant may still take before its limit; None when unlimited."""
+        limit = self.policy(tenant).limit_bytes(bytes_per_token)
+        return None if limit is None else limit - self.used_bytes.get(tenant, 0)
+
+    def count_computed(self, tenant: str, tokens: int) -> None:
+        self.computed_tokens[tenant] = self.computed_tokens.get(tenant, 0) + tokens
+        self.virtual_tokens[tenant] = self.virtual_tokens.get(tenant, 0.0) + tokens / self.policy(tenant).weight
+
+    def activate(self, tenant: str, active: set) -> None:
+        """A tenant with no work that comes back starts at the smallest active counter, not below:
+        idle time is not credit to spend later (as in VTC)."""
+        others = [self.virtual_tokens.get(t, 0.0) for t in active if t != tenant]
+        if others:
+            self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), min(others))
+
+    def admission_key(self, tenant: str):
+        return (PRIORITIES.index(self.policy(tenant).priority), self.virtual_tokens.get(tenant, 0.0))
