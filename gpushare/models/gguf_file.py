@@ -5,6 +5,9 @@ import os
 import numpy as np
 import torch
 
+from gpushare.models.dequant import dequantize
+from gpushare.models.gguf_reader import read_gguf_file
+
 GGUF_MAGIC = b"GGUF"
 
 _LAYER_NAMES = {
@@ -30,28 +33,17 @@ class GGUFError(ValueError):
     """The file is not a GGUF we can read; the message names the file and the problem."""
 
 
-def open_gguf(path: str):
-    """Open ``path`` with gguf's reader, turning any parse failure into a GGUFError."""
-    import gguf
-
+def open_gguf(path: str) -> tuple[dict, list]:
+    """(metadata, tensors) of ``path``, turning any parse failure into a GGUFError naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path}: not a GGUF file (bad magic)")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises many kinds on truncated or corrupt files
+        return read_gguf_file(path)
+    except Exception as e:  # truncation shows up as struct, index or value errors
         raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
-
-
-def read_metadata(reader) -> dict:
-    meta = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        meta[name] = field.contents()
-    return meta
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -63,40 +55,40 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (it interleaves each head's rotary halves into pairs)."""
     rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_tensors(reader, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None) -> dict:
+def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None) -> dict:
     """Dequantise every known tensor to float32, in numpy (row-major, HF) shape order.
 
     ``progress(done_bytes, total_bytes)``, when given, is called after each tensor.
     """
-    total = sum(int(t.n_bytes) for t in reader.tensors)
-    done = 0
     from gguf import GGMLQuantizationType, quants
 
-    state = {}
-    for tensor in reader.tensors:
+    total = sum(int(t.n_bytes) for t in tensors)
+    done, state = 0, {}
+    for tensor in tensors:
         name = _hf_name(tensor.name)
         if name is None:
             continue
+        shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists dims fastest-first
         try:
             if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                array = np.asarray(tensor.data, dtype=np.float32)
+                weights = torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
             else:
-                array = quants.dequantize(tensor.data, tensor.tensor_type)
-            # ggml lists dims fastest-first; numpy wants them reversed.
-            array = array.reshape([int(d) for d in reversed(tensor.shape)])
+                weights = dequantize(tensor.data, tensor.tensor_type.name, shape)
+                if weights is None:
+                    weights = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape))
         except Exception as e:
             raise GGUFError(f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
         if permuted_qk and name.endswith("q_proj.weight"):
-            array = _unpermute(array, num_heads)
+            weights = _unpermute(weights, num_heads)
         elif permuted_qk and name.endswith("k_proj.weight"):
-            array = _unpermute(array, num_kv_heads)
-        state[name] = torch.from_numpy(np.array(array, dtype=np.float32))
+            weights = _unpermute(weights, num_kv_heads)
+        state[name] = weights.contiguous()
         done += int(tensor.n_bytes)
         if progress is not None:
             progress(done, total)

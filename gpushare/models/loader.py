@@ -9,7 +9,7 @@ import torch
 
 from gpushare.models import chat_template
 from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
-from gpushare.models.gguf_file import open_gguf, read_metadata, read_tensors
+from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
@@ -62,10 +62,9 @@ def _stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
 
 def read_gguf(path: str, progress=None):
     """Parse a GGUF into (config, float32 state dict, tokenizer, template, stop ids, metadata)."""
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
+    meta, tensors = open_gguf(path)
     config = config_from_gguf(meta)
-    state = read_tensors(reader, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
+    state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
                          progress=progress)
     config.tie_word_embeddings = "lm_head.weight" not in state
     tokenizer = tokenizer_from_gguf(meta)
@@ -100,7 +99,7 @@ def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
         tok_cfg = os.path.join(path, "tokenizer_config.json")
         template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
         return config, template, _hf_info(path, raw, config)
-    meta = read_metadata(open_gguf(path))
+    meta, _ = open_gguf(path)
     config = config_from_gguf(meta)
     return config, meta.get("tokenizer.chat_template"), _gguf_info(meta, config)
 

@@ -1,0 +1,105 @@
+"""A small GGUF parser: metadata and tensor locations, with the tensor bytes memory-mapped.
+
+gguf's own reader builds a numpy view per array element, which takes seconds on a 49k-token
+vocabulary; walking the header with ``struct`` takes a few hundred milliseconds.
+"""
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# GGUF value types -> struct format of one scalar
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: list[int]  # ggml order: fastest-varying dimension first
+    tensor_type: GGMLQuantizationType
+    offset: int  # from the start of the file
+    n_bytes: int
+    mm: np.memmap
+
+    @property
+    def data(self) -> np.ndarray:
+        """The raw tensor as gguf's reader gives it: floats in numpy shape, or [rows, row bytes] uint8 blocks."""
+        raw = self.mm[self.offset:self.offset + self.n_bytes]
+        rows = [int(d) for d in reversed(self.shape)]
+        if self.tensor_type == GGMLQuantizationType.F32:
+            return raw.view(np.float32).reshape(rows)
+        if self.tensor_type == GGMLQuantizationType.F16:
+            return raw.view(np.float16).reshape(rows)
+        return raw.reshape(rows[:-1] + [-1])
+
+
+class _Cursor:
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        value = bytes(self.buf[self.pos:self.pos + length]).decode("utf-8", errors="replace")
+        self.pos += length
+        return value
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.scalar("I"), self.scalar("Q")
+            if item_kind in _NUMPY:
+                width = np.dtype(_NUMPY[item_kind]).itemsize
+                items = np.frombuffer(self.buf, _NUMPY[item_kind], count, self.pos).tolist()
+                self.pos += width * count
+                return items
+            return [self.value(item_kind) for _ in range(count)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        return self.scalar(_SCALARS[kind])
+
+
+def read_gguf_file(path: str) -> tuple[dict, list[TensorInfo]]:
+    """(metadata, tensors); raises ValueError (or struct.error) on a malformed or truncated file."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mm))
+    if bytes(cur.buf[:4]) != MAGIC:
+        raise ValueError("not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    num_tensors, num_fields = cur.scalar("Q"), cur.scalar("Q")
+    meta = {}
+    for _ in range(num_fields):
+        key = cur.string()
+        meta[key] = cur.value(cur.scalar("I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        shape = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        qtype = GGMLQuantizationType(cur.scalar("I"))
+        infos.append((name, shape, qtype, cur.scalar("Q")))
+    alignment = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, shape, qtype, offset in infos:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+        start = data_start + offset
+        if start + n_bytes > len(mm):
+            raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+        tensors.append(TensorInfo(name, shape, qtype, start, n_bytes, mm))
+    return meta, tensors

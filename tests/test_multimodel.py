@@ -1,0 +1,288 @@
+"""Many models in one process: a real Engine and Registry loading real files under one memory budget.
+
+Three models: the SmolLM2 GGUF, the same weights written as a sharded safetensors folder,
+and a small random-weight Llama. Answers are greedy and compared token for token with the
+offline API on the same model (conftest `llm` for SmolLM2 and its copy, LLM(folder) for
+the random one). The registry is driven directly on an asyncio loop; HTTP is not needed
+for what it decides.
+"""
+
+import asyncio
+import os
+import shutil
+import time
+
+import pytest
+
+from gpushare import LLM
+from gpushare.api.streaming import EngineStream
+from gpushare.config import ModelEntry, Settings
+from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.memory_budget import count_tensors, estimate_weight_bytes
+from gpushare.engine.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
+from gpushare.engine.sampling import SamplingParams
+from tests.model_files import gguf_to_hf_folder, random_llama_folder
+
+SMOL, COPY, TINY = "smollm2:135m", "smollm2-st", "tiny-random"
+PROMPTS = ["What is the capital of France?", "Name three colours."]
+KV_BUDGET = 24 << 20  # 8 MiB per model (max_loaded_models 3): room for short chats
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2_path):
+    root = tmp_path_factory.mktemp("multimodel")
+    return {SMOL: smollm2_path, COPY: gguf_to_hf_folder(smollm2_path, str(root / "smollm2-st")),
+            TINY: random_llama_folder(smollm2_path, str(root / "tiny-random"))}
+
+
+@pytest.fixture(scope="module")
+def oracles(folders, request):
+    """The offline API on each model; SmolLM2 and its safetensors copy share the session's `llm`."""
+    llm = request.getfixturevalue("llm")
+    tiny = LLM(folders[TINY], dtype="float32", num_threads=2)
+    yield {SMOL: llm, COPY: llm, TINY: tiny}
+    tiny.shutdown()
+
+
+@pytest.fixture
+def engine():
+    e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def size_bytes(path: str) -> int:
+    """A model's weights plus its KV pool, as the registry counts it (the estimate is exact here)."""
+    return estimate_weight_bytes(count_tensors(path), "float32") + KV_BUDGET // 3
+
+
+def make_registry(engine, folders, budget_bytes, tmp_path, host_cache_bytes=4 << 30, **entry_options) -> Registry:
+    models = [ModelEntry(name, path, **entry_options.get(name, {})) for name, path in folders.items()]
+    settings = Settings(models=models, models_dir=tmp_path / "models")
+    settings.memory.budget_bytes = budget_bytes
+    settings.memory.kv_budget_bytes = KV_BUDGET
+    settings.memory.max_loaded_models = 3
+    settings.memory.host_cache_bytes = host_cache_bytes
+    settings.engine.max_num_seqs = engine.config.max_num_seqs
+    settings.server.max_queued = 8
+    return Registry(engine, settings, device="cpu", dtype="float32")
+
+
+def messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+def expected_ids(oracle, prompt: str, params: SamplingParams) -> list[int]:
+    return oracle.chat(messages(prompt), params)[0].token_ids
+
+
+async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, started: asyncio.Event | None = None):
+    """One request as the API makes it: a lease, then the engine stream. Returns (token ids, lease)."""
+    async with reg.use(name) as lease:
+        model = lease.model
+        prompt_ids = model.tokenizer.encode(model.render_chat(messages(prompt)), add_special_tokens=False)
+        ids = []
+        with EngineStream(reg.engine, lease.entry.name, prompt_ids, params) as stream:
+            async for out in stream:
+                assert out.finish_reason not in ("abort", "error"), f"{name}: {out.error}"
+                ids += out.token_ids
+                if started is not None:
+                    started.set()
+        return ids, lease
+
+
+class BudgetWatch:
+    """Samples what the engine really holds (weights + KV pools of its workers) every few ms."""
+
+    def __init__(self, engine, kv_bytes: int):
+        self.engine, self.kv_bytes, self.peak_bytes = engine, kv_bytes, 0
+
+    async def run(self):
+        while True:
+            held = sum(w.loaded.weight_bytes + self.kv_bytes for w in list(self.engine.workers.values()))
+            self.peak_bytes = max(self.peak_bytes, held)
+            await asyncio.sleep(0.005)
+
+
+def test_three_models_alternate_under_a_budget_for_two(engine, folders, oracles, tmp_path):
+    sizes = {name: size_bytes(path) for name, path in folders.items()}
+    assert sizes[SMOL] == sizes[COPY] > 10 * sizes[TINY]
+    budget = sizes[SMOL] + sizes[COPY] + sizes[TINY] // 2  # any two fit, never all three
+    reg = make_registry(engine, folders, budget, tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
+    long_params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    # The offline answers first: computing them would stall the event loop the registry runs on.
+    expected = {(name, prompt): expected_ids(oracles[name], prompt, greedy) for name in folders for prompt in PROMPTS}
+    expected_long = expected_ids(oracles[TINY], PROMPTS[0], long_params)
+    loads: dict[str, list[tuple[float, bool]]] = {name: [] for name in folders}
+    watch = BudgetWatch(engine, KV_BUDGET // 3)
+
+    async def main():
+        watcher = asyncio.create_task(watch.run())
+        recent: list[str] = []  # the loaded models as LRU predicts them, least recently used first
+        for turn, name in enumerate([SMOL, COPY, TINY] * 3):
+            prompt = PROMPTS[turn % 2]
+            ids, lease = await chat(reg, name, prompt, greedy)
+            assert ids == expected[name, prompt], (turn, name)
+            if lease.load_duration_s > 0:
+                loads[name].append((lease.load_duration_s, lease.entry.warm_load))
+            recent = [n for n in recent if n != name] + [name]
+            del recent[:-2]
+            assert {e.name for e in reg.loaded()} == set(recent), turn
+
+        # A busy model is never evicted, even as the least recently used: TINY runs a long
+        # request, COPY is used after it, so loading SMOL must evict COPY.
+        assert {e.name for e in reg.loaded()} == {COPY, TINY}
+        started = asyncio.Event()
+        long_run = asyncio.create_task(chat(reg, TINY, PROMPTS[0], long_params, started))
+        await started.wait()
+        assert (await chat(reg, COPY, PROMPTS[1], greedy))[0] == expected[COPY, PROMPTS[1]]
+        assert reg.get_loaded(TINY).last_used < reg.get_loaded(COPY).last_used
+        assert (await chat(reg, SMOL, PROMPTS[1], greedy))[0] == expected[SMOL, PROMPTS[1]]
+        assert not long_run.done(), "the long request should still run: make it longer"
+        assert {e.name for e in reg.loaded()} == {TINY, SMOL}
+
+        # Both loaded models busy: a request for the third waits (no error, no overcommit)
+        # until one of them is idle, then evicts that one.
+        smol_run = asyncio.create_task(chat(reg, SMOL, PROMPTS[0], greedy))
+        await asyncio.sleep(0.01)
+        assert all(e.active for e in reg.loaded())
+        ids, lease = await chat(reg, COPY, PROMPTS[0], greedy)
+        assert ids == expected[COPY, PROMPTS[0]]
+        assert smol_run.done() or long_run.done()  # it loaded once one of them was idle
+        assert (await smol_run)[0] == expected[SMOL, PROMPTS[0]]
+        assert (await long_run)[0] == expected_long
+        watcher.cancel()
+        await reg.close()
+
+    asyncio.run(main())
+    assert watch.peak_bytes <= budget
+    for name, times in loads.items():
+        cold = [s for s, warm in times if not warm]
+        warm = [s for s, warm in times if warm]
+        print(f"{name}: cold load {cold[0]:.3f}s, warm reloads {', '.join(f'{s:.3f}s' for s in warm)}")
+        assert len(cold) == 1 and len(warm) == 2, (name, times)  # read from its file once, then warm
+        assert max(warm) * 5 < cold[0], (name, times)
+
+
+def test_no_overcommit_while_models_swap(engine, folders, oracles, tmp_path):
+    """The engine never holds more than memory.budget, sampled every 5 ms while models swap."""
+    budget = size_bytes(folders[COPY]) + 2 * size_bytes(folders[TINY]) // 3 * 2
+    small = {COPY: folders[COPY], TINY: folders[TINY]}
+    reg = make_registry(engine, small, budget, tmp_path)  # COPY and TINY never fit together
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    watch = BudgetWatch(engine, KV_BUDGET // 3)
+
+    async def main():
+        watcher = asyncio.create_task(watch.run())
+        for name in [TINY, COPY, TINY, COPY]:
+            ids, _ = await chat(reg, name, PROMPTS[0], greedy)
+            assert ids == expected_ids(oracles[name], PROMPTS[0], greedy)
+        watcher.cancel()
+        await reg.close()
+
+    asyncio.run(main())
+    assert size_bytes(folders[COPY]) <= watch.peak_bytes <= budget
+
+
+def test_two_busy_models_share_engine_steps(engine, folders, tmp_path):
+    """Steady load on two models: each gets at least 40% of the engine's steps (stats deltas over 60+ steps)."""
+    reg = make_registry(engine, {COPY: folders[COPY], TINY: folders[TINY]}, 4 << 30, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def client(name: str, stop: asyncio.Event):
+        while not stop.is_set():
+            await chat(reg, name, PROMPTS[0], params)
+
+    async def main():
+        await reg.load(COPY)
+        await reg.load(TINY)
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(client(name, stop)) for name in (COPY, TINY) for _ in range(2)]
+        await asyncio.sleep(0.5)  # both under load
+        before = engine.stats().models
+        deadline = time.monotonic() + 120
+        while sum(engine.stats().models[n].steps - before[n].steps for n in (COPY, TINY)) < 60:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        after = engine.stats().models
+        stop.set()
+        await asyncio.gather(*clients)
+        await reg.close()
+        return {name: after[name].steps - before[name].steps for name in (COPY, TINY)}
+
+    steps = asyncio.run(main())
+    total = sum(steps.values())
+    print(f"engine steps under steady load on both: {steps}")
+    assert all(n >= 0.4 * total for n in steps.values()), steps
+
+
+def test_a_corrupt_file_fails_clearly_while_another_model_streams(engine, folders, oracles, tmp_path):
+    broken_gguf = tmp_path / "broken.gguf"
+    with open(folders[SMOL], "rb") as f:
+        broken_gguf.write_bytes(f.read(1 << 20))  # the header is cut short
+    broken_folder = tmp_path / "broken-st"
+    shutil.copytree(folders[TINY], broken_folder)
+    weights = broken_folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # the header is whole, the tensors are not
+    models = {TINY: folders[TINY], "broken-gguf": str(broken_gguf), "broken-st": str(broken_folder),
+              SMOL: folders[SMOL]}
+    budget = size_bytes(folders[TINY]) * 3  # SMOL can never fit
+    reg = make_registry(engine, models, budget, tmp_path)
+    long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        started = asyncio.Event()
+        streaming = asyncio.create_task(chat(reg, TINY, PROMPTS[1], long_params, started))
+        await started.wait()
+        used = reg.used_bytes()
+        with pytest.raises(ModelLoadError, match=r'failed to load model "broken-gguf": .*broken.gguf: corrupt or '
+                                                 r"truncated GGUF header"):
+            await reg.load("broken-gguf")
+        with pytest.raises(ModelLoadError, match=r'failed to load model "broken-st": .*corrupt safetensors file'):
+            await reg.load("broken-st")
+        with pytest.raises(ModelLoadError, match=r'failed to load model "smollm2:135m": not enough memory: it '
+                                                 r"needs \d+ bytes"):
+            await reg.load(SMOL)
+        assert not streaming.done(), "the stream should outlive the failed loads: make it longer"
+        assert reg.used_bytes() == used and {e.name for e in reg.loaded()} == {TINY}  # nothing left behind
+        assert set(engine.stats().models) == {TINY}
+        ids, _ = await streaming
+        await reg.close()
+        return ids
+
+    assert asyncio.run(main()) == expected_ids(oracles[TINY], PROMPTS[1], long_params)
+
+
+def test_pinned_weight_and_live_settings(engine, folders, tmp_path):
+    """Pinned models stay (keep_alive, eviction, unload); weight reaches the engine; apply_settings
+    retires a removed model once its request ends."""
+    models = {"pinned": folders[TINY], "other": folders[TINY], "third": folders[TINY]}
+    budget = size_bytes(folders[TINY]) * 2 + 1  # two at once
+    reg = make_registry(engine, models, budget, tmp_path, pinned={"pinned": True, "weight": 3.0})
+
+    async def main():
+        await reg.preload()  # pinned implies preload
+        assert reg.get_loaded("pinned").expires_at is None
+        await reg.load("pinned", keep_alive_s=0)  # a request's keep_alive does not unload it
+        await reg.load("other")
+        await reg.load("third")  # evicts "other", though "pinned" was used less recently
+        assert {e.name for e in reg.loaded()} == {"pinned", "third"}
+        assert engine.workers["pinned"].share_weight == 3.0 and engine.workers["third"].share_weight == 1.0
+        with pytest.raises(RegistrationError, match="pinned"):
+            await reg.unload("pinned")
+
+        new = make_registry(engine, {"pinned": folders[TINY], "other": folders[TINY]}, budget, tmp_path).settings
+        async with reg.use("third") as lease:
+            reg.apply_settings(new)  # "third" is gone from the config while its request runs
+            assert reg.get_loaded("third") is lease.entry
+            with pytest.raises(ModelNotFound):
+                reg.find("third")
+        await asyncio.sleep(0.05)
+        assert {e.name for e in reg.loaded()} == {"pinned"}  # unpinned by the new config: its timer runs
+        assert reg.get_loaded("pinned").expires_at is not None
+        await reg.close()
+
+    asyncio.run(main())
