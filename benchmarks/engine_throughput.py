@@ -41,10 +41,13 @@ def run_ours(path, dtype, convs, lengths, threads):
     samples = []
 
     def on_step(eng):
-        worker = eng.workers[name]
-        held = worker.scheduler.pool.num_used * worker.scheduler.pool.block_size
-        cached = sum(s.num_computed for s in worker.scheduler.running)
-        samples.append((held, cached))
+        pool = eng.workers[name].scheduler.pool
+        filled = {}  # block -> token slots written; prefix-cached blocks are shared, so count each once
+        for seq in eng.workers[name].scheduler.running:
+            for i, block in enumerate(seq.block_table):
+                used = min(pool.block_size, max(0, seq.num_computed - i * pool.block_size))
+                filled[block] = max(filled.get(block, 0), used)
+        samples.append((pool.num_used * pool.block_size, sum(filled.values())))
 
     engine.on_step = on_step
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]

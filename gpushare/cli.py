@@ -1,123 +1,22 @@
 """The `gpushare` command: `serve` runs the daemon; the other verbs talk HTTP to it.
 
 The daemon's address comes from GPUSHARE_HOST (as OLLAMA_HOST for ollama), default
-127.0.0.1:11434. `node ...` and `service install` come from their own modules.
+127.0.0.1:11434; with GPUSHARE_API_KEY set, every verb sends it as `Authorization: Bearer`
+(the daemon's tenants). `node ...` and `service install` come from their own modules.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import http.client
 import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
-from typing import Iterator
 
-from gpushare.config import DEFAULT_HOST, ConfigError, parse_duration_s, parse_host
+from gpushare.cli_format import ProgressBar, human_bytes, human_delta, keep_alive_value, parse_time, table
+from gpushare.cli_http import ApiFailure, DaemonUnreachable, call, stream
+from gpushare.config import ConfigError
 
-
-class DaemonUnreachable(Exception):
-    pass
-
-
-class ApiFailure(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------- HTTP client
-
-def daemon_url() -> str:
-    """Base URL of the daemon from GPUSHARE_HOST; a wildcard bind address is reached on loopback."""
-    raw = os.environ.get("GPUSHARE_HOST") or DEFAULT_HOST
-    scheme = "https" if raw.strip().startswith("https://") else "http"
-    host, port = parse_host(raw, "GPUSHARE_HOST")
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-
-
-def _open(method: str, path: str, body: dict | None, timeout_s: float | None):
-    url = daemon_url() + path
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        return urllib.request.urlopen(req, timeout=timeout_s)
-    except urllib.error.HTTPError as e:
-        text = e.read().decode(errors="replace")
-        try:
-            message = json.loads(text)["error"]
-        except (ValueError, KeyError, TypeError):
-            message = text or e.reason
-        raise ApiFailure(message if isinstance(message, str) else json.dumps(message)) from None
-    except (urllib.error.URLError, ConnectionError) as e:
-        raise DaemonUnreachable(f"could not connect to the gpushare daemon at {daemon_url()} "
-                                f"({getattr(e, 'reason', e)}); is `gpushare serve` running?") from None
-
-
-def call(method: str, path: str, body: dict | None = None, timeout_s: float | None = 600) -> dict:
-    with _open(method, path, body, timeout_s) as resp:
-        return json.loads(resp.read() or b"{}")
-
-
-def stream(path: str, body: dict) -> Iterator[dict]:
-    """POST and yield NDJSON objects; an error object mid-stream raises ApiFailure."""
-    with _open("POST", path, body, None) as resp:
-        try:
-            for line in resp:
-                if line.strip():
-                    obj = json.loads(line)
-                    if "error" in obj:
-                        raise ApiFailure(obj["error"])
-                    yield obj
-        except (ConnectionError, http.client.HTTPException) as e:
-            raise ApiFailure(f"the daemon closed the connection mid-answer ({type(e).__name__})") from None
-
-
-# ---------------------------------------------------------------------------- formatting
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}" if n < 10 * size else f"{n / size:.0f} {unit}"
-    return f"{n} B"
-
-
-def human_delta(seconds: float) -> str:
-    s = abs(seconds)
-    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
-        if s >= size:
-            n = int(s // size)
-            text = f"{n} {unit}{'s' if n != 1 else ''}"
-            break
-    else:
-        text = "less than a second"
-    return f"{text} from now" if seconds >= 0 else f"{text} ago"
-
-
-def parse_time(text: str) -> float:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("    ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
-
-
-def keep_alive_value(text: str | None):
-    """A --keep-alive argument as the API takes it: a number of seconds, or a duration string."""
-    if text is None:
-        return None
-    parse_duration_s(text, "--keep-alive")  # fail here, with a clear message
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-# ---------------------------------------------------------------------------- verbs
 
 def cmd_serve(args) -> int:
     from gpushare import daemon
@@ -131,8 +30,25 @@ def cmd_serve(args) -> int:
     return daemon.run(settings)
 
 
+def print_tenants(data: dict, as_json: bool) -> None:
+    """`ps --tenants`: the tenant rows this key may see (its own; all of them for an admin key)."""
+    tenants = data.get("tenants", [])
+    if as_json:
+        print(json.dumps({"tenants": tenants}, indent=2))
+        return
+    rows = [[t["name"], human_bytes(t["kv_used_bytes"]), human_bytes(t["kv_reserved_bytes"]),
+             "unlimited" if t["kv_limit_bytes"] is None else human_bytes(t["kv_limit_bytes"]),
+             str(t["running"]), str(t["queued"]), str(t["computed_tokens"]), str(t["generated_tokens"]),
+             str(t["prefix_hit_tokens"])] for t in tenants]
+    print(table(rows, ["TENANT", "KV USED", "KV RESERVED", "KV LIMIT", "RUNNING", "QUEUED", "PROMPT TOKENS",
+                       "GENERATED", "PREFIX HITS"]))
+
+
 def cmd_ps(args) -> int:
     data = call("GET", "/api/ps")
+    if args.tenants:
+        print_tenants(data, args.json)
+        return 0
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
@@ -149,6 +65,9 @@ def cmd_ps(args) -> int:
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}",
                      f"{m['running']}/{m['queued']}"])
+    for m in data.get("loading", []):  # on their way in: queued for memory, or loading
+        until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}"])
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED"]))
     return 0
 
@@ -159,9 +78,9 @@ def cmd_list(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     now = time.time()
-    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now)]
-            for m in data["models"]]
-    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED"]))
+    rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now),
+             m.get("state", "")] for m in data["models"]]
+    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]))
     return 0
 
 
@@ -190,10 +109,24 @@ def cmd_show(args) -> int:
 
 
 def cmd_load(args) -> int:
-    body = {"model": args.model, "stream": False}
+    """Load through /api/load, drawing its streamed progress on stderr; stdout says `loaded MODEL`."""
+    body = {"model": args.model}
     if args.keep_alive is not None:
         body["keep_alive"] = keep_alive_value(args.keep_alive)
-    call("POST", "/api/generate", body)
+    bar, final = ProgressBar(f"loading {args.model}"), {}
+    try:
+        for line in stream("/api/load", body):
+            if line.get("status") == "loading" and line.get("total"):
+                bar.update(line["completed"], line["total"])
+            elif line.get("status") == "queued" and not bar.tty:
+                print(f"waiting for memory to load {args.model}", file=sys.stderr)
+            final = line
+    finally:
+        bar.close()
+    seconds = f"{final.get('load_duration', 0) / 1e9:.2f}s"
+    how = {"loaded": "was already loaded", "warm": f"loaded from the warm tier in {seconds}",
+           "on disk": f"loaded from disk in {seconds}"}.get(final.get("from"), f"loaded in {seconds}")
+    print(f"{args.model} {how}", file=sys.stderr)
     print(f"loaded {args.model}")
     return 0
 
@@ -318,7 +251,8 @@ def _interactive(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpushare", description="Serve many language models from one shared engine per node. "
-        "Verbs other than serve talk to the daemon at $GPUSHARE_HOST (default 127.0.0.1:11434).")
+        "Verbs other than serve talk to the daemon at $GPUSHARE_HOST (default 127.0.0.1:11434), "
+        "with $GPUSHARE_API_KEY as their API key when it is set.")
     from importlib.metadata import version
 
     parser.add_argument("--version", action="version", version=f"gpushare {version('gpushare')}")
@@ -349,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ps", help="list loaded models", description="List the loaded models: size, device, "
                        "context, when they unload, KV-cache blocks in use and requests running/queued.")
     p.add_argument("--json", action="store_true", help="print the daemon's /api/ps answer as JSON")
+    p.add_argument("--tenants", action="store_true", help="list tenants instead: KV used/reserved/limit, "
+                   "requests running and queued, tokens served (your own row; every row for an admin key)")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("list", aliases=["ls"], help="list available models",

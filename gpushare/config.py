@@ -12,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-DEFAULT_PORT = 11434
+from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
+                                    parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
+from gpushare.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
+
 DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_KEEP_ALIVE_S = 300.0
 DEFAULT_MODELS_DIR = "~/.local/share/gpushare/models"
@@ -27,10 +29,6 @@ BUNDLED_MODEL_NAME = "smollm2:135m"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """A setting is missing, of the wrong type or out of range; the message names the key."""
 
 
 @dataclass
@@ -46,7 +44,9 @@ class ModelEntry:
     name: str
     path: str
     keep_alive_s: float | None = None  # None: the server default
-    preload: bool = False
+    preload: bool = False  # load at daemon start
+    pinned: bool = False  # never evicted nor unloaded (implies preload)
+    weight: float = 1.0  # share of engine steps against other busy models
 
 
 @dataclass
@@ -61,9 +61,10 @@ class EngineSettings:
 
 @dataclass
 class MemorySettings:
-    budget_bytes: int | None = None  # weights + KV of all loaded models; None: no limit
+    budget_bytes: int | None = None  # weights + KV of all loaded models; None: from the device (registry)
     kv_budget_bytes: int = 2 << 30  # node-wide KV cache, shared by the loaded models
     max_loaded_models: int = 4  # each loaded model gets kv_budget / max_loaded_models
+    host_cache_bytes: int = 4 << 30  # warm tier: unloaded models kept built in host memory; 0: off
 
 
 @dataclass
@@ -73,103 +74,16 @@ class Settings:
     models_dir: Path = field(default_factory=lambda: Path(DEFAULT_MODELS_DIR).expanduser())
     engine: EngineSettings = field(default_factory=EngineSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
-    node: Any = None  # gpushare.node.settings.NodeSettings when that module exists, else the raw dict
-
-
-# ---------------------------------------------------------------------------- value parsers
-
-_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_DURATION_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_SIZE_UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_duration_s(value: Any, key: str = "duration") -> float:
-    """Seconds from a number (seconds) or a Go-style string as Ollama takes: "30s", "5m", "1h30m", "-1"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip().replace(" ", "")
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
-        try:
-            return sign * float(body)
-        except ValueError:
-            pass
-        parts = _DURATION_PART_RE.findall(body)
-        if parts and "".join(n + u for n, u in parts) == body:
-            return sign * sum(float(n) * _DURATION_UNIT_S[u] for n, u in parts)
-    raise ConfigError(f"{key}: must be a duration like 30s, 5m or a number of seconds, got {value!r}")
-
-
-def parse_size_bytes(value: Any, key: str = "size") -> int:
-    """Bytes from an integer or a string like "512MiB", "8GiB", "2GB"."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            return int(float(m.group(1)) * _SIZE_UNIT[(m.group(2) or "B").lower()])
-    raise ConfigError(f"{key}: must be a size like 512MiB or 8GiB or a number of bytes, got {value!r}")
-
-
-def parse_host(value: str, key: str = "server.host") -> tuple[str, int]:
-    """(host, port) from "HOST:PORT", "HOST", ":PORT" or "http://HOST:PORT", as OLLAMA_HOST."""
-    text = str(value).strip()
-    text = re.sub(r"^[a-z]+://", "", text).rstrip("/")
-    if text.startswith("["):  # [::1]:port
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.lstrip(":")
-    elif text.count(":") == 1:
-        host, port_text = text.split(":")
-    else:
-        host, port_text = text, ""
-    host = host or "127.0.0.1"
-    if not port_text:
-        return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"{key}: must be HOST:PORT with a port in 1..65535, got {value!r}")
-    return host, int(port_text)
-
-
-# ---------------------------------------------------------------------------- section readers
-
-def _expect_mapping(value: Any, key: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: must be a mapping, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _reject_unknown(section: dict, known: set[str], prefix: str) -> None:
-    for k in section:
-        if k not in known:
-            raise ConfigError(f"{prefix}{k}: unknown key (known: {', '.join(sorted(known))})")
-
-
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key}: must be a positive integer, got {value!r}")
-    return value
-
-
-def _non_negative_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{key}: must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _choice(value: Any, choices: tuple[str, ...], key: str) -> str:
-    if value not in choices:
-        raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
-    return value
+    node: Any = None  # gpushare.node.settings.NodeSettings
+    tenants: list[TenantSettings] = field(default_factory=list)  # empty: one keyless tenant, "default"
+    prefix_cache_scope: str = "tenant"  # which requests may share cached prefix blocks
+    config_path: Path | None = None  # the YAML file these came from; reload_settings reads it again
+    host_flag: str | None = None  # --host, which outranks the file on a reload too
 
 
 def _read_server(raw: Any) -> ServerSettings:
-    d = _expect_mapping(raw, "server")
-    _reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive"}, "server.")
+    d = expect_mapping(raw, "server")
+    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -179,7 +93,7 @@ def _read_server(raw: Any) -> ServerSettings:
         if s.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout: must not be negative, got {d['drain_timeout']!r}")
     if "max_queued" in d:
-        s.max_queued = _non_negative_int(d["max_queued"], "server.max_queued")
+        s.max_queued = non_negative_int(d["max_queued"], "server.max_queued")
     if "keep_alive" in d:
         s.keep_alive_s = parse_duration_s(d["keep_alive"], "server.keep_alive")
     return s
@@ -193,8 +107,8 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
     entries, seen = [], set()
     for i, item in enumerate(raw):
         key = f"models[{i}]"
-        d = _expect_mapping(item, key)
-        _reject_unknown(d, {"name", "path", "keep_alive", "preload"}, key + ".")
+        d = expect_mapping(item, key)
+        reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight"}, key + ".")
         for required in ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
@@ -207,30 +121,35 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
         if not path.exists():
             raise ConfigError(f"{key}.path: no such file or folder: {str(path)!r}")
         keep_alive = parse_duration_s(d["keep_alive"], f"{key}.keep_alive") if "keep_alive" in d else None
-        preload = d.get("preload", False)
-        if not isinstance(preload, bool):
-            raise ConfigError(f"{key}.preload: must be true or false, got {preload!r}")
-        entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, preload=preload))
+        flags = {}
+        for flag in ("preload", "pinned"):
+            flags[flag] = d.get(flag, False)
+            if not isinstance(flags[flag], bool):
+                raise ConfigError(f"{key}.{flag}: must be true or false, got {flags[flag]!r}")
+        weight = d.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"{key}.weight: must be a positive number, got {weight!r}")
+        entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight), **flags))
     return entries
 
 
 def _read_engine(raw: Any) -> EngineSettings:
-    d = _expect_mapping(raw, "engine")
-    _reject_unknown(d, {f.name for f in dataclasses.fields(EngineSettings)}, "engine.")
+    d = expect_mapping(raw, "engine")
+    reject_unknown(d, {f.name for f in dataclasses.fields(EngineSettings)}, "engine.")
     e = EngineSettings()
     if "dtype" in d:
-        e.dtype = _choice(d["dtype"], DTYPES, "engine.dtype")
+        e.dtype = choice(d["dtype"], DTYPES, "engine.dtype")
     if "device" in d:
-        e.device = _choice(d["device"], DEVICES, "engine.device")
+        e.device = choice(d["device"], DEVICES, "engine.device")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_threads"):
         if d.get(name) is not None:
-            setattr(e, name, _positive_int(d[name], f"engine.{name}"))
+            setattr(e, name, positive_int(d[name], f"engine.{name}"))
     return e
 
 
 def _read_memory(raw: Any) -> MemorySettings:
-    d = _expect_mapping(raw, "memory")
-    _reject_unknown(d, {"budget", "kv_budget", "max_loaded_models"}, "memory.")
+    d = expect_mapping(raw, "memory")
+    reject_unknown(d, {"budget", "kv_budget", "max_loaded_models", "host_cache"}, "memory.")
     m = MemorySettings()
     if d.get("budget") is not None:
         m.budget_bytes = parse_size_bytes(d["budget"], "memory.budget")
@@ -239,7 +158,9 @@ def _read_memory(raw: Any) -> MemorySettings:
         if m.kv_budget_bytes <= 0:
             raise ConfigError(f"memory.kv_budget: must be more than zero, got {d['kv_budget']!r}")
     if "max_loaded_models" in d:
-        m.max_loaded_models = _positive_int(d["max_loaded_models"], "memory.max_loaded_models")
+        m.max_loaded_models = positive_int(d["max_loaded_models"], "memory.max_loaded_models")
+    if "host_cache" in d:
+        m.host_cache_bytes = parse_size_bytes(d["host_cache"], "memory.host_cache")
     if m.budget_bytes is not None and m.budget_bytes < m.kv_budget_bytes:
         raise ConfigError(f"memory.budget: must be at least memory.kv_budget ({m.kv_budget_bytes} bytes), "
                           f"got {d['budget']!r}")
@@ -247,11 +168,8 @@ def _read_memory(raw: Any) -> MemorySettings:
 
 
 def _read_node(raw: Any) -> Any:
-    try:
-        from gpushare.node.settings import parse_node_settings
-    except ImportError:
-        # PASS-THROUGH until gpushare/node/settings.py exists: the raw mapping, unvalidated.
-        return _expect_mapping(raw, "node")
+    from gpushare.node.settings import parse_node_settings
+
     try:
         return parse_node_settings(raw)
     except ConfigError:
@@ -275,15 +193,18 @@ def bundled_model() -> ModelEntry | None:
 def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = None) -> Settings:
     """Settings from a parsed YAML document (a mapping, or None for all defaults)."""
     env = os.environ if env is None else env
-    d = _expect_mapping(raw, "config")
-    _reject_unknown(d, {"server", "models", "models_dir", "engine", "memory", "node"}, "")
+    d = expect_mapping(raw, "config")
+    reject_unknown(d, {"server", "models", "models_dir", "engine", "memory", "node", "tenants",
+                        "prefix_cache"}, "")
     base_dir = base_dir or Path.cwd()
     s = Settings(
         server=_read_server(d.get("server")),
         engine=_read_engine(d.get("engine")),
         memory=_read_memory(d.get("memory")),
         node=_read_node(d.get("node")),
+        prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
     )
+    s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes // s.memory.max_loaded_models)
     if "models" in d:
         s.models = _read_models(d["models"], base_dir)
     else:
@@ -318,4 +239,11 @@ def load_settings(path: str | os.PathLike | None = None, host: str | None = None
     if host:
         parse_host(host, "--host")
         s.server.host = host
+    s.config_path = Path(path).expanduser().resolve() if path is not None else None
+    s.host_flag = host
     return s
+
+
+def reload_settings(current: Settings) -> Settings:
+    """Settings read again from where `current` came from (its file, the environment, its --host)."""
+    return load_settings(current.config_path, host=current.host_flag)

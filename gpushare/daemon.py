@@ -1,27 +1,41 @@
-"""The daemon's life cycle: settings -> engine -> registry -> HTTP; drain and stop on SIGINT/SIGTERM.
+"""The daemon's life cycle: settings -> engine -> registry -> HTTP; systemd notifications,
+SIGHUP reloads (gpushare/lifecycle.py), drain and stop on SIGINT/SIGTERM.
 
 One Engine, started once, serves every model; the registry loads models into it on
-demand. On the first SIGINT/SIGTERM the listening socket closes, in-flight requests get
-`server.drain_timeout` to finish (then are cancelled), models are unloaded and the
-engine thread stops; a second signal skips the drain.
+demand. Start: HTTP listens at once (/health, /ready answer 503 "starting"), the
+configured models preload (each announced to systemd with EXTEND_TIMEOUT_USEC), then
+READY=1. A watchdog thread sends WATCHDOG=1 while the engine loop ticks. On the first
+SIGINT/SIGTERM: STOPPING=1, /ready and every new request answer 503, in-flight requests
+get `server.drain_timeout` to finish, then the rest are cancelled (their streams end with
+an error chunk), models are unloaded and the engine thread stops; exit 0. A second
+signal skips the drain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
+import os
+import time
 
 from aiohttp import web
 
 from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
+from gpushare.api.health import engine_alive
 from gpushare.config import Settings, parse_host
 from gpushare.engine.registry import ModelLoadError, Registry, RegistryFull
+from gpushare.lifecycle import (Reloader, Signals, engine_stall_limit_s, install_test_stall, report_status,
+                                status_line)
+from gpushare.service import notify
+from gpushare.service.logs import setup_logging
 
 log = logging.getLogger("gpushare.daemon")
 
 ABORT_GRACE_S = 2.0  # after the drain, for aborted requests to write their error and close
+PRELOAD_EXTEND_USEC = 300_000_000  # asked of systemd's start timeout before each preload: 5 min per model
+IDLE_POLL_S = 0.05
+UNLOAD_GRACE_S = 10.0  # asked of systemd's stop timeout beyond the drain: unloading, the engine thread's end
 
 
 def resolve_device(setting: str) -> str:
@@ -38,21 +52,42 @@ def resolve_dtype(setting: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def start_engine(settings: Settings):
+def plan_engine_pinning(settings: Settings, device: str):
+    """The engine thread's CPUs: physical P-cores local to its GPU (or any, on CPU); the rest elsewhere."""
+    from gpushare.node.affinity import EngineTarget, apply_thread_affinity, plan_pinning
+    from gpushare.node.gpu import engine_targets, read_gpus
+    from gpushare.node.topology import read_topology
+
+    targets = [EngineTarget("cpu")]
+    if device.startswith("cuda"):
+        targets = engine_targets(read_gpus())[:1] or targets
+    plan = plan_pinning(read_topology("/"), settings.node, engines=targets, allowed_cpus=sorted(os.sched_getaffinity(0)))
+    for note in plan.notes:
+        log.info("pinning: %s", note)
+    # HTTP, tokenisation and every thread started from here on go to the other CPUs.
+    apply_thread_affinity(plan.other_cpus)
+    return plan.engines[0]
+
+
+def start_engine(settings: Settings, device: str = "cpu"):
     from gpushare.engine.engine import Engine, EngineConfig
 
     e = settings.engine
+    pinning = plan_engine_pinning(settings, device)
     engine = Engine(EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                                 block_size=e.block_size, num_threads=e.num_threads))
+                                 block_size=e.block_size, num_threads=e.num_threads or pinning.torch_threads,
+                                 prefix_cache=settings.prefix_cache_scope, cpus=pinning.cpus))
     engine.start()
+    log.info("engine thread %d pinned to CPUs %s, %d torch threads", engine.thread_native_id,
+             ",".join(map(str, pinning.cpus)), engine.config.num_threads)
     return engine
 
 
 async def start_http(app: web.Application, settings: Settings) -> web.AppRunner:
     host, port = parse_host(settings.server.host)
     # handler_cancellation: a client that disconnects cancels its handler, hence its request.
-    runner = web.AppRunner(app, handler_cancellation=True,
-                           shutdown_timeout=settings.server.drain_timeout_s + ABORT_GRACE_S)
+    # shutdown_timeout: the drain (below) has already waited for the requests in flight.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -63,53 +98,53 @@ async def start_http(app: web.Application, settings: Settings) -> web.AppRunner:
     return runner
 
 
-async def preload(registry: Registry, settings: Settings) -> None:
-    for m in settings.models:
-        if m.preload:
-            await registry.load(m.name)
+async def preload(ctx: ApiContext) -> None:
+    models = [m for m in ctx.settings.models if m.preload or m.pinned]  # a pinned model is resident from the start
+    for i, m in enumerate(models, 1):
+        notify.extend_timeout(PRELOAD_EXTEND_USEC)
+        notify.status(f"starting: loading {m.name} ({i}/{len(models)})")
+        await ctx.registry.load(m.name)
 
 
-async def wait_for_stop(startup, stop: asyncio.Event) -> None:
-    """Run `startup` (model preloads; its failure stops the daemon) until done, then wait for `stop`;
-    a stop signal during startup is honoured at once."""
-    starting = asyncio.create_task(startup)
+async def start_serving(ctx: ApiContext, stop: asyncio.Event) -> bool:
+    """Preload (a failure stops the daemon), then READY=1; False when a stop signal came first."""
+    starting = asyncio.create_task(preload(ctx))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if starting.done():
-        starting.result()
-    await stopping
-    starting.cancel()  # no further preloads; one already loading finishes (registry.close waits for it)
+    if not starting.done():
+        starting.cancel()  # no further preloads; one already loading finishes (registry.close waits for it)
+        return False
+    stopping.cancel()
+    starting.result()
+    ctx.phase = "serving"
+    notify.ready(status_line(ctx, None))
+    log.info("ready")
+    return True
 
 
-class StopSignals:
-    """SIGINT/SIGTERM: the first sets `stop` (drain), the second sets `force` (cut the drain short)."""
-
-    def __init__(self) -> None:
-        self.stop = asyncio.Event()
-        self.force = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self._on_signal, signum)
-
-    def _on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        if self.stop.is_set():
-            log.warning("%s again: cancelling the requests still running", name)
-            self.force.set()
-        else:
-            log.info("%s: draining requests and stopping (send it again to skip the drain)", name)
-            self.stop.set()
+async def wait_until_idle(ctx: ApiContext, timeout_s: float, force: asyncio.Event | None = None) -> bool:
+    """Wait until no request is in flight (True), `timeout_s` passed or `force` was set (False)."""
+    deadline = time.monotonic() + timeout_s
+    while ctx.in_flight and time.monotonic() < deadline and not (force and force.is_set()):
+        await asyncio.sleep(IDLE_POLL_S)
+    return ctx.in_flight == 0
 
 
-async def drain(runner: web.AppRunner, registry: Registry, drain_timeout_s: float, force: asyncio.Event) -> None:
-    """Stop listening; give in-flight requests drain_timeout_s (less if `force` is set), then cancel
-    the rest through the engine, so that their streams end with an error object rather than a cut."""
-    cleanup = asyncio.create_task(runner.cleanup())
-    forced = asyncio.create_task(force.wait())
-    await asyncio.wait({cleanup, forced}, timeout=drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    forced.cancel()
-    await registry.close()  # unloading aborts what still runs
-    await asyncio.wait({cleanup}, timeout=ABORT_GRACE_S)
+async def drain(runner: web.AppRunner, ctx: ApiContext, force: asyncio.Event) -> None:
+    """Refuse new requests (503), give those in flight server.drain_timeout (less if `force` is set),
+    then cancel the rest through the engine, so that their streams end with an error object."""
+    ctx.phase = "draining"
+    notify.stopping()
+    timeout_s = ctx.settings.server.drain_timeout_s
+    # A drain_timeout longer than TimeoutStopSec= must not end in SIGKILL.
+    notify.extend_timeout(int((timeout_s + ABORT_GRACE_S + UNLOAD_GRACE_S) * 1e6))
+    notify.status(f"stopping: draining {ctx.in_flight} requests (up to {timeout_s:g}s)")
+    if not await wait_until_idle(ctx, timeout_s, force):
+        log.warning("drain over: cancelling %d requests still running", ctx.in_flight)
+    notify.status("stopping: unloading models")
+    await ctx.registry.close()  # unloading aborts what still runs
+    await wait_until_idle(ctx, ABORT_GRACE_S)
+    await runner.cleanup()
 
 
 async def serve(settings: Settings) -> None:
@@ -117,28 +152,40 @@ async def serve(settings: Settings) -> None:
     dtype = resolve_dtype(settings.engine.dtype, device)
     log.info("engine on %s (%s); models: %s; models_dir: %s", device, dtype,
              ", ".join(m.name for m in settings.models) or "none configured", settings.models_dir)
-    engine = start_engine(settings)
-    registry = Registry(engine, settings, device=device, dtype=dtype)
-    signals = StopSignals()
+    engine = start_engine(settings, device)
+    install_test_stall(engine)
+    watchdog_s = notify.watchdog_interval_s()
+    ctx = ApiContext(engine, Registry(engine, settings, device=device, dtype=dtype), settings,
+                     engine_stall_s=engine_stall_limit_s(watchdog_s))
+    watchdog = notify.Watchdog(lambda: engine_alive(engine, ctx.engine_stall_s), watchdog_s)
+    watchdog.start()
+    reloader = Reloader(ctx)
+    signals = Signals(reloader.request)
     try:
-        runner = await start_http(build_app(ApiContext(engine, registry, settings)), settings)
+        runner = await start_http(build_app(ctx), settings)
         try:
-            await wait_for_stop(preload(registry, settings), signals.stop)
+            if await start_serving(ctx, signals.stop):
+                reloader.started()
+                await report_status(ctx, reloader, signals.stop)
         finally:
-            await drain(runner, registry, settings.server.drain_timeout_s, signals.force)
+            await reloader.finish()
+            await drain(runner, ctx, signals.force)
     finally:
+        watchdog.stop()
         engine.shutdown()
         log.info("stopped")
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("INFO")
     try:
         asyncio.run(serve(settings))
     except OSError as e:  # the port is taken, typically
         log.error("cannot serve on %s: %s", settings.server.host, e.strerror or e)
+        notify.status(f"failed: cannot serve on {settings.server.host}: {e.strerror or e}")
         return 1
     except (ModelLoadError, RegistryFull) as e:  # a preload failed
         log.error("%s", e)
+        notify.status(f"failed: {e}")
         return 1
     return 0

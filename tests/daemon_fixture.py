@@ -67,13 +67,13 @@ class Daemon:
         return {m["name"]: m for m in http("GET", self.url + "/api/ps")[1]["models"]}
 
     def wait_ready(self) -> None:
-        """Wait until the daemon answers and has the model loaded; fail with its log if it does not."""
+        """Wait until the daemon is ready (preloads done); fail with its log if it does not."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gpushare serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if MODEL in self.loaded():
+                if http("GET", self.url + "/ready", timeout_s=5)[0] == 200:
                     return
             except (urllib.error.URLError, ConnectionError):
                 pass
@@ -101,7 +101,7 @@ def write_config(tmp: Path, port: int, model_path: str, overrides: dict | None =
         "memory": {"kv_budget": "256MiB", "max_loaded_models": 2},
     }
     for section, values in (overrides or {}).items():
-        config[section] = {**config[section], **values} if isinstance(values, dict) else values
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
     path = tmp / "gpushare.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -36,7 +36,7 @@ def test_a_file_with_relative_model_paths_and_host_flag(tmp_path, monkeypatch):
     assert s.models[0].preload and parse_host(s.server.host) == ("127.0.0.1", 8080)
 
 
-@pytest.mark.parametrize("name", ["reference.yaml", "workstation.yaml"])
+@pytest.mark.parametrize("name", ["reference.yaml", "workstation.yaml", "multi-tenant.yaml"])
 def test_example_configs_are_valid(name):
     s = load_settings(CONFIGS / name)
     assert s.server.host
@@ -89,3 +89,58 @@ def test_durations_sizes_and_hosts():
     assert [parse_size_bytes(v) for v in (1024, "512MiB", "8GiB", "2GB")] == [1024, 512 << 20, 8 << 30, 2 * 10**9]
     assert parse_host("0.0.0.0") == ("0.0.0.0", 11434)
     assert parse_host("http://[::1]:8000/") == ("::1", 8000)
+
+
+def test_tenants_map_keys_to_digests_and_amounts_to_bytes_or_tokens():
+    import hashlib
+
+    digest = hashlib.sha256(b"s3cret").hexdigest()
+    s = parse_settings({"prefix_cache": {"scope": "global"}, "tenants": [
+        {"name": "a", "api_keys": ["s3cret"], "kv_reserved": "512MiB", "kv_limit": "8192tok", "max_concurrent": 2,
+         "max_queued": 5, "rate_limit": {"requests_per_s": 0.5, "tokens_per_min": 20000}, "weight": 2,
+         "priority": "batch", "models": ["smollm2:*"]},
+        {"name": "b", "api_keys": [f"sha256:{'AB' * 32}"]}]}, env={})
+    a, b = s.tenants
+    assert (a.api_key_sha256, b.api_key_sha256, s.prefix_cache_scope) == ([digest], ["ab" * 32], "global")
+    assert (a.kv_reserved_bytes, a.kv_reserved_tokens, a.kv_limit_bytes, a.kv_limit_tokens) == \
+        (512 << 20, 0, None, 8192)
+    assert (a.max_concurrent, a.max_queued, a.requests_per_s, a.tokens_per_min) == (2, 5, 0.5, 20000)
+    assert (a.weight, a.priority, a.models, b.models, b.priority) == (2.0, "batch", ["smollm2:*"], None, "interactive")
+
+
+@pytest.mark.parametrize("tenant, message", [
+    ({"api_keys": ["k"]}, "tenants[0].name: required"),
+    ({"name": "a b", "api_keys": ["k"]}, "tenants[0].name: required, 1-64 letters"),
+    ({"name": "a"}, "tenants[0].api_keys: required"),
+    ({"name": "a", "api_keys": ["sha256:abc"]}, "tenants[0].api_keys[0]: sha256: must be followed by 64 hex"),
+    ({"name": "a", "api_keys": ["k"], "kv_limit": "lots"}, "tenants[0].kv_limit: must be a size like 512MiB or a "
+                                                            "token count like 8192tok"),
+    ({"name": "a", "api_keys": ["k"], "kv_reserved": "2GiB", "kv_limit": "1GiB"},
+     "tenants[0].kv_reserved: must not exceed tenants[0].kv_limit"),
+    ({"name": "a", "api_keys": ["k"], "max_concurrent": 0}, "tenants[0].max_concurrent: must be a positive integer"),
+    ({"name": "a", "api_keys": ["k"], "max_queued": 3}, "tenants[0].max_queued: needs tenants[0].max_concurrent"),
+    ({"name": "a", "api_keys": ["k"], "rate_limit": {"requests_per_s": -1}},
+     "tenants[0].rate_limit.requests_per_s: must be a positive number"),
+    ({"name": "a", "api_keys": ["k"], "rate_limit": {"rpm": 3}}, "tenants[0].rate_limit.rpm: unknown key"),
+    ({"name": "a", "api_keys": ["k"], "weight": 0}, "tenants[0].weight: must be a positive number"),
+    ({"name": "a", "api_keys": ["k"], "priority": "urgent"}, "tenants[0].priority: must be one of interactive, batch"),
+    ({"name": "a", "api_keys": ["k"], "models": "llama"}, "tenants[0].models: must be a list"),
+    ({"name": "a", "api_keys": ["k"], "quota": 1}, "tenants[0].quota: unknown key"),
+])
+def test_tenant_errors_name_the_key(tenant, message):
+    with pytest.raises(ConfigError) as info:
+        parse_settings({"tenants": [tenant]}, env={})
+    assert message in str(info.value)
+
+
+def test_tenant_names_and_keys_are_unique_and_reservations_fit_the_kv_budget():
+    with pytest.raises(ConfigError, match=r"tenants\[1\].name: duplicate tenant name 'a'"):
+        parse_settings({"tenants": [{"name": "a", "api_keys": ["k1"]}, {"name": "a", "api_keys": ["k2"]}]}, env={})
+    with pytest.raises(ConfigError, match=r"tenants\[1\].api_keys: a key of tenant 'b' is also a key of tenant 'a'"):
+        parse_settings({"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]}, env={})
+    with pytest.raises(ConfigError, match="tenants: kv_reserved adds up to"):
+        parse_settings({"memory": {"kv_budget": "4GiB", "max_loaded_models": 4}, "tenants": [
+            {"name": "a", "api_keys": ["k1"], "kv_reserved": "768MiB"},
+            {"name": "b", "api_keys": ["k2"], "kv_reserved": "512MiB"}]}, env={})
+    with pytest.raises(ConfigError, match="prefix_cache.scope: must be one of tenant, global, off"):
+        parse_settings({"prefix_cache": {"scope": "everyone"}}, env={})

@@ -23,7 +23,7 @@ class CountingLoader:
         self.fail = fail
         self.calls: list[str] = []
 
-    def __call__(self, path, dtype, device):
+    def __call__(self, path, dtype, device, progress):
         self.calls.append(path)
         time.sleep(self.delay_s)
         if self.fail:
@@ -140,8 +140,9 @@ def test_idle_models_are_evicted_least_recently_used_first(engine, tmp_path, smo
         await reg.load("a")  # a is now the more recent
         await reg.load("c")
         assert loaded_names(engine) == {"a", "c"}
+        reg.residency.room_wait_timeout_s = 0.3
         async with reg.use("a"), reg.use("c"):
-            with pytest.raises(RegistryFull, match="none is idle"):
+            with pytest.raises(RegistryFull, match="stayed busy"):  # both busy: b waited, then gave up
                 await reg.load("b")
         await reg.close()
 
@@ -214,3 +215,17 @@ def test_models_dir_scan_create_and_remove(engine, tmp_path, smollm2_path, llm):
     (reg.settings.models_dir / "copied.gguf").write_bytes(b"GGUF")
     with pytest.raises(RegistrationError, match="delete it yourself"):
         asyncio.run(reg.remove("copied"))
+
+
+def test_size_estimate_from_the_file_header_equals_the_loaded_size(smollm2_path, llm, tmp_path):
+    from gpushare.engine.memory_budget import count_tensors, estimate_weight_bytes
+
+    count = count_tensors(smollm2_path)
+    assert count.parameters == sum(p.numel() for p in llm.model.model.parameters()) + sum(
+        m.packed.numel() for m in llm.model.model.modules() if getattr(m, "packed", None) is not None
+    ) - count.tied_embedding  # every weight once: the packed oneDNN copies replace the dense ones
+    assert estimate_weight_bytes(count, "float32") == llm.model.weight_bytes  # CPU float32: exact
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(smollm2_path, "rb").read(4096))
+    with pytest.raises(ValueError, match="cut.gguf: corrupt or truncated GGUF file"):
+        count_tensors(str(cut))

@@ -1,19 +1,25 @@
-"""The aiohttp application: both dialects' routes behind one error middleware."""
+"""The aiohttp application: both dialects' routes, health and metrics, behind the middlewares."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import ollama, openai
+from gpushare.api import health, metrics, ollama, openai
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
+from gpushare.api.tenants import apply_tenant_settings, tenant_middleware
 
 MAX_BODY_BYTES = 64 << 20  # long prompts and embedding batches, not uploads
 
 
 def build_app(ctx: ApiContext) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    # Outermost first: metrics sees the final status; draining answers 503 before a key is asked for.
+    middlewares = [metrics.metrics_middleware, error_middleware, health.drain_middleware, tenant_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[CONTEXT] = ctx
+    apply_tenant_settings(ctx, ctx.settings)
     ollama.add_routes(app)
     openai.add_routes(app)
+    health.add_routes(app)
+    metrics.setup(app, ctx)
     return app

@@ -16,8 +16,12 @@ from gpushare.engine.registry import Registry
 class ApiContext:
     engine: object  # gpushare.engine.engine.Engine
     registry: Registry
-    settings: Settings
+    settings: Settings  # replaced whole by a config reload (SIGHUP)
     started_at: float = field(default_factory=time.time)
+    phase: str = "starting"  # "starting" (preloading) | "serving" | "draining": /ready and the drain read it
+    in_flight: int = 0  # requests being handled, monitoring endpoints excluded (api/health.py counts them)
+    engine_stall_s: float = 30.0  # /health fails once the engine loop has been silent this long
+    tenants: object = None  # gpushare.api.tenants.TenantGate, set by build_app
 
 
 CONTEXT = web.AppKey("gpushare", ApiContext)

@@ -10,6 +10,7 @@ from aiohttp import web
 from gpushare.api.context import context, encode_text
 from gpushare.api.errors import bad_request
 from gpushare.api.streaming import Timings
+from gpushare.api.tenants import admit
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
@@ -17,7 +18,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
     """One vector per input (text, or token ids); no inputs only loads the model."""
     ctx = context(request)
     timings = Timings()
-    async with ctx.registry.use(model, keep_alive) as lease:
+    async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
         timings.load_s = lease.load_duration_s
         if not inputs:
             return [], timings
@@ -34,6 +35,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
                 ids = ids[:limit]
             token_lists.append(ids)
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
+        ticket.charge_tokens(timings.prompt_tokens, timings)
         try:
             vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists))
         except ValueError as e:

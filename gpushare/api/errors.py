@@ -60,7 +60,9 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> web.Response:
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else None
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s is not None else {}
+    if err.status == 401:  # RFC 9110: a 401 names the scheme it wants
+        headers["WWW-Authenticate"] = 'Bearer realm="gpushare"'
     return web.Response(status=err.status, text=json.dumps(error_body(path, err)),
                         content_type="application/json", headers=headers)
 

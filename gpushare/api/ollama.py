@@ -10,8 +10,10 @@ tokens only (repeat_last_n), a window this engine does not have.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import importlib.metadata
+import json
 import time
 
 from aiohttp import web
@@ -22,7 +24,11 @@ from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import field, keep_alive_s, read_json_object, required_string, string_list
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
-from gpushare.engine.registry import RegistrationError
+from gpushare.api.tenants import admit, check_admin, check_model, tenant_rows, visible
+from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
+
+LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
+FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
 ROLES = ("system", "user", "assistant", "tool")
 # Options we take, with their Ollama defaults; other Ollama options (num_gpu, mirostat, ...)
@@ -105,9 +111,13 @@ def parse_messages(body: dict) -> list[dict]:
 # ---------------------------------------------------------------------------- shared flow
 
 async def _load_or_unload(request: web.Request, model: str, keep_alive: float | None, extra: dict) -> web.Response:
+    check_model(request, model)
     registry = context(request).registry
     if keep_alive == 0:
-        await registry.unload(model)
+        try:
+            await registry.unload(model)
+        except RegistrationError as e:  # a pinned model
+            raise bad_request(str(e)) from None
         reason = "unload"
     else:
         await registry.load(model, keep_alive)
@@ -123,13 +133,14 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
     stream = field(body, "stream", "boolean", True)
     ctx = context(request)
     timings = Timings()
-    async with ctx.registry.use(model, keep_alive) as lease:
+    async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
         timings.load_s = lease.load_duration_s
         prompt_ids = make_prompt(lease.model)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
         # Ollama never fails on num_predict: generation stops at the context.
         max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
         params = make_sampling_params(max_tokens=max_tokens, **values)
+        ticket.charge_tokens(len(prompt_ids) + max_tokens, timings)
         timings.submit_s = time.monotonic()
         base = {"model": model}
 
@@ -137,7 +148,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
             return [{**base, "created_at": now_rfc3339(), **empty, "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params) as engine_stream:
+        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant) as engine_stream:
             if stream:
                 fmt = StreamFormat(sse=False, piece=lambda text: {**base, "created_at": now_rfc3339(), **piece(text),
                                                                    "done": False},
@@ -219,10 +230,12 @@ def _details(registry, source) -> dict:
 
 async def tags(request: web.Request) -> web.Response:
     registry = context(request).registry
+    sources = registry.sources()
     models = []
-    for source in sorted(registry.sources().values(), key=lambda s: s.name):
+    for source in (sources[name] for name in sorted(visible(request, sources))):
         models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
-                       "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source)})
+                       "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source),
+                       "state": registry.state(source)})  # gpushare's: loaded, loading, warm or on disk
     return web.json_response({"models": models})
 
 
@@ -231,8 +244,10 @@ async def ps(request: web.Request) -> web.Response:
     stats = ctx.engine.stats().models
     models = []
     for entry in ctx.registry.loaded():
+        if not visible(request, [entry.name]):
+            continue
         s = stats.get(entry.name)
-        expires = entry.expires_at if entry.expires_at is not None else time.time() + 292 * 365 * 86400  # "forever"
+        expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
         models.append({
             "name": entry.name, "model": entry.name, "size": entry.size_bytes, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
@@ -242,8 +257,14 @@ async def ps(request: web.Request) -> web.Response:
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
             "keep_alive": entry.keep_alive_s, "device": ctx.registry.device,
+            "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })
-    return web.json_response({"models": models})
+    # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
+    # apart from "models", which Ollama's clients read as the loaded ones
+    loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
+                "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
+               for job in ctx.registry.loading() if visible(request, [job.source.name])]
+    return web.json_response({"models": models, "loading": loading, "tenants": tenant_rows(request)})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -251,6 +272,7 @@ async def show(request: web.Request) -> web.Response:
     name = field(body, "model", "string") or field(body, "name", "string")
     if not name:
         raise bad_request('"model" is required', param="model")
+    check_model(request, name)
     registry = context(request).registry
     source = registry.find(name)
     desc = await registry.describe(source.name)
@@ -266,6 +288,7 @@ async def create(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     name = required_string(body, "model")
     source = required_string(body, "from")
+    check_admin(request, "create models")
     try:
         context(request).registry.create(name, source)
     except RegistrationError as e:
@@ -276,11 +299,52 @@ async def create(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     name = field(body, "model", "string") or required_string(body, "name")
+    check_admin(request, "delete models")
     try:
         await context(request).registry.remove(name)
     except RegistrationError as e:
         raise bad_request(str(e)) from None
     return web.json_response({})
+
+
+async def load(request: web.Request) -> web.StreamResponse:
+    """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
+    as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
+    then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
+    or "on disk"}, or {"error": ...} once streaming."""
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    check_model(request, model)
+    keep_alive = keep_alive_s(body)
+    registry = context(request).registry
+    source = registry.find(model)
+    name, was = source.name, registry.state(source)
+    loading = asyncio.ensure_future(registry.load(model, keep_alive))
+    try:
+        await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        if loading.done() and loading.exception() is not None:
+            raise loading.exception()  # before the first line: a plain HTTP error (404, 503 + Retry-After)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        last = None
+        while not loading.done():
+            job = registry.get_loading(name)
+            line = job and {"status": job.state, "completed": job.done_bytes, "total": job.total_bytes}
+            if line and line != last:
+                await response.write(json.dumps(line).encode() + b"\n")
+                last = line
+            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        try:
+            lease = loading.result()
+            line = {"status": "success", "model": model, "load_duration": int(lease.load_duration_s * 1e9),
+                    "from": was}
+        except (ModelLoadError, RegistryFull) as e:
+            line = {"error": str(e)}
+        await response.write(json.dumps(line).encode() + b"\n")
+        await response.write_eof()
+        return response
+    finally:
+        loading.cancel()
 
 
 async def not_supported(request: web.Request) -> web.Response:
@@ -297,6 +361,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/embeddings", embeddings)
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/load", load)
     app.router.add_post("/api/show", show)
     app.router.add_post("/api/create", create)
     app.router.add_delete("/api/delete", delete)

@@ -21,6 +21,7 @@ from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, read_json_object, required_string, string_list
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
+from gpushare.api.tenants import admit, check_model, visible
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINGERPRINT = "gpushare"
@@ -131,7 +132,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
                                      prefix="stream_options.")
     ctx = context(request)
     timings = Timings()
-    async with ctx.registry.use(model, None) as lease:
+    async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
         prompt_ids = make_prompt(lease.model)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids)
         # A default never overflows the context; an explicit max_tokens that does is a 400, as in vLLM.
@@ -139,6 +140,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
         if not explicit:
             values["max_tokens"] = min(values["max_tokens"] or limit, limit - len(prompt_ids))
         params = make_sampling_params(**values)
+        ticket.charge_tokens(len(prompt_ids) + params.max_tokens, timings)
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if stream and chat else "chat.completion" if chat
                 else "text_completion",
@@ -168,7 +170,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
                 chunks.append({**base, "choices": [], "usage": _usage(out)})
             return chunks
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params) as engine_stream:
+        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant) as engine_stream:
             if stream:
                 fmt = StreamFormat(sse=True, head=head, piece=lambda text: chunk(choice(text, None)), tail=tail,
                                    error=lambda err: error_body(request.path, err))
@@ -202,10 +204,12 @@ def _model_object(source) -> dict:
 
 async def list_models(request: web.Request) -> web.Response:
     sources = context(request).registry.sources()
-    return web.json_response({"object": "list", "data": [_model_object(s) for _, s in sorted(sources.items())]})
+    data = [_model_object(sources[name]) for name in sorted(visible(request, sources))]
+    return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
+    check_model(request, request.match_info["model"])
     return web.json_response(_model_object(context(request).registry.find(request.match_info["model"])))
 
 

@@ -17,20 +17,24 @@ from typing import Callable
 from aiohttp import web
 
 from gpushare.api.errors import ApiError, bad_request
+from gpushare.api.metrics import record_for_stream
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import RequestOutput
+from gpushare.engine.tenants import DEFAULT_TENANT
 
 
 class EngineStream:
     """One request submitted to the engine; iterate it for RequestOutputs until finished."""
 
-    def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams,
+                 tenant: str = DEFAULT_TENANT):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
+        self._record = record_for_stream(model_name, tenant)  # the request's metrics (api/metrics.py)
         try:
-            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output)
+            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except KeyError:  # unloaded between the lease and the submit: only while the daemon stops
@@ -57,6 +61,8 @@ class EngineStream:
             raise StopAsyncIteration
         out = await self._queue.get()
         self.finished = out.finished
+        if self._record is not None:
+            self._record.observe(out)
         return out
 
 

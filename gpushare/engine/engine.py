@@ -72,6 +72,7 @@ class ModelWorker:
     runner: ModelRunner
     share_weight: float = 1.0
     steps: int = 0
+    virtual_steps: float = 0.0  # steps / share_weight, lifted when the model turns busy (fairness)
     prompt_tokens: int = 0
     generated_tokens: int = 0
 
@@ -88,6 +89,7 @@ class Engine:
         self.on_step: Callable[["Engine"], None] | None = None  # test hook: runs after every step
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._pinned = threading.Event()
         self._stopping = False
 
     # ---- public, thread-safe -------------------------------------------------------------
@@ -95,6 +97,7 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="gpushare-engine", daemon=True)
             self._thread.start()
+            self._pinned.wait()
 
     def shutdown(self) -> None:
         if self._thread is not None:
@@ -127,6 +130,17 @@ class Engine:
                 self._finish(worker, seq, "abort", error=f"model {name!r} was unloaded")
 
         self._run_on_engine(remove)
+
+    def set_share_weight(self, name: str, share_weight: float) -> None:
+        """Change a loaded model's share of engine steps (live; applied before the next step, not awaited)."""
+        if not share_weight > 0:
+            raise ValueError(f"share weight must be > 0, got {share_weight!r}")
+
+        def apply():
+            if name in self.workers:
+                self.workers[name].share_weight = share_weight
+
+        self._inbox.put(("call", apply, Future()))
 
     def set_tenants(self, policies: list[TenantPolicy]) -> None:
         """Replace the tenant policies (live: running requests keep their blocks)."""
@@ -242,6 +256,7 @@ class Engine:
             os.sched_setaffinity(0, self.config.cpus)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        self._pinned.set()
         while not self._stopping:
             self.last_tick_s = time.monotonic()
             self._drain_inbox(block=not self.has_work())
@@ -271,6 +286,10 @@ class Engine:
                                               f"model {seq.model_name!r} was unloaded"))
                 return
             self.requests[seq.request_id] = seq
+            if not worker.scheduler.has_work():
+                # Idle time is no credit: a model that turns busy starts level with the busy ones.
+                busy = [w.virtual_steps for w in self.workers.values() if w.scheduler.has_work()]
+                worker.virtual_steps = max(worker.virtual_steps, min(busy, default=0.0))
             worker.scheduler.add(seq)
         elif kind == "cancel":
             seq = self.requests.get(item[1])
@@ -287,7 +306,7 @@ class Engine:
 
     def _pick_worker(self) -> ModelWorker | None:
         busy = [w for w in self.workers.values() if w.scheduler.has_work()]
-        return min(busy, key=lambda w: w.steps / w.share_weight, default=None)
+        return min(busy, key=lambda w: w.virtual_steps, default=None)
 
     def _step(self, worker: ModelWorker) -> None:
         batch = worker.scheduler.schedule()
@@ -302,6 +321,7 @@ class Engine:
             return
         worker.scheduler.after_step(batch)
         worker.steps += 1
+        worker.virtual_steps += 1 / worker.share_weight
         self.steps += 1
         worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
         for seq, token in sampled:

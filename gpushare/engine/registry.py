@@ -61,14 +61,14 @@ class Registry:
                                    release=self._release)
         self._descriptions: dict[str, ModelDescription] = {}  # by ModelSource.digest()
         self._background: set[asyncio.Task] = set()
+        # Measured once, at start: later the loaded models themselves would shrink "available".
+        self._default_budget_bytes = default_budget_bytes(device, settings.memory.host_cache_bytes)
         self._apply_limits(settings)
 
     def _apply_limits(self, settings: Settings) -> None:
         self.settings = settings
         mem, res = settings.memory, self.residency
-        res.budget_bytes = mem.budget_bytes
-        if res.budget_bytes is None:
-            res.budget_bytes = default_budget_bytes(self.device, mem.host_cache_bytes)
+        res.budget_bytes = mem.budget_bytes if mem.budget_bytes is not None else self._default_budget_bytes
         res.max_models = mem.max_loaded_models
         res.kv_bytes_per_model = mem.kv_budget_bytes // mem.max_loaded_models
         res.warm.resize(mem.host_cache_bytes)
@@ -173,16 +173,17 @@ class Registry:
     async def use(self, name: str, keep_alive_s: float | None = None):
         """Hold `name` loaded for one request; raises ModelNotFound, RegistryFull, ModelLoadError."""
         source = self.find(name)
-        t0 = time.monotonic()
         entry = self.residency.loaded.get(source.name)
         if entry is not None and not entry.retired:
             if entry.active >= self.max_requests_per_model:
                 raise RegistryFull(f'model "{source.name}" has {entry.active} requests in flight, the most it '
                                    f"queues (engine.max_num_seqs + server.max_queued); retry later")
             entry.active += 1
+            lease = Lease(entry, 0.0)
         else:
+            t0 = time.monotonic()
             entry = await self.residency.join(source, self.max_requests_per_model)  # returns holding our lease
-        lease = Lease(entry, time.monotonic() - t0)
+            lease = Lease(entry, time.monotonic() - t0)
         entry.last_used = time.monotonic()
         self._set_keep_alive(entry, keep_alive_s)
         try:
@@ -226,7 +227,7 @@ class Registry:
 
         Requests in flight run on. A loaded model whose entry is gone (or now names another
         file) takes no new request and unloads once idle; pinned and keep_alive changes apply
-        to loaded models at once, weight from their next load; a smaller budget or
+        to loaded models at once, and so does weight; a smaller budget or
         max_loaded_models unloads idle models, least recently used first; new preload or
         pinned models load in the background.
         """
@@ -240,9 +241,13 @@ class Registry:
                     self.residency.start_unload(entry)
                 continue
             pinned_changed = new.pinned != entry.source.pinned
+            if new.weight != entry.source.weight:
+                self.engine.set_share_weight(entry.name, new.weight)
             entry.source = new
-            if entry.active == 0 and pinned_changed:
-                self._arm_timer(entry)
+            if pinned_changed:  # keep_alive starts afresh from the model's or the server's default
+                self._set_keep_alive(entry, None)
+                if entry.active == 0:
+                    self._arm_timer(entry)
         self.residency.evict_over_limits()
         self.residency.notify_room()
         task = asyncio.get_running_loop().create_task(self._preload_logged())

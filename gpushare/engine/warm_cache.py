@@ -12,10 +12,13 @@ event loop.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("gpushare.registry")
 
 
 def _move_tensors(module: torch.nn.Module, move) -> None:
@@ -68,33 +71,24 @@ class WarmCache:
     def fits(self, weight_bytes: int) -> bool:
         return 0 < weight_bytes <= self.capacity_bytes
 
-    def put(self, key: tuple, loaded, weight_bytes: int) -> list[tuple]:
-        """Keep `loaded` (if it fits at all); returns the keys pushed out to make room."""
+    def put(self, key: tuple, loaded, weight_bytes: int) -> None:
+        """Keep `loaded` if it fits at all, pushing out the least recently stored to make room."""
         if not self.fits(weight_bytes):
-            return []
+            return
         self._models.pop(key, None)
         self._models[key] = WarmModel(loaded, weight_bytes)
-        return self._trim()
+        self._trim()
 
     def take(self, key: tuple):
         """The warm LoadedModel for `key`, removed from the cache; None when it is not here."""
         warm = self._models.pop(key, None)
         return warm.loaded if warm is not None else None
 
-    def discard_path(self, digest: str) -> None:
-        for key in [k for k in self._models if k[0] == digest]:
-            del self._models[key]
-
-    def resize(self, capacity_bytes: int) -> list[tuple]:
+    def resize(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        return self._trim()
+        self._trim()
 
-    def clear(self) -> None:
-        self._models.clear()
-
-    def _trim(self) -> list[tuple]:
-        dropped = []
+    def _trim(self) -> None:
         while self._models and self.used_bytes > self.capacity_bytes:
-            key, _ = self._models.popitem(last=False)
-            dropped.append(key)
-        return dropped
+            _, warm = self._models.popitem(last=False)
+            log.info("dropped %s from the warm tier (memory.host_cache)", warm.loaded.name_or_path)
