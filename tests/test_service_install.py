@@ -1,7 +1,6 @@
 """`gpushare service install` into a staging root, as an administrator would run it."""
 
 import argparse
-import os
 import stat
 import sys
 from pathlib import Path
