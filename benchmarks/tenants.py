@@ -11,7 +11,7 @@ B's TTFT is measured alone, then under A's flood (once every A stream has its fi
 A's throughput is the tokens the engine generated for A (from /api/ps) over that window.
 Target: B's p99 TTFT under the flood at most 1.5x its p99 alone.
 
-    python benchmarks/tenants.py                       # CPU: try --flood-concurrency 8 --flood-tokens 64
+    python benchmarks/tenants.py                       # ~4 minutes on a 2-core CPU
     python benchmarks/tenants.py --device cuda --json-out tenants.json
 """
 

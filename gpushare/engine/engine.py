@@ -3,6 +3,9 @@
 Other threads talk to it through ``submit``/``cancel``/``embed`` (a thread-safe inbox) and get
 tokens back through each request's ``on_output`` callback, called from the engine thread.
 Each loop turn runs one step of one model; models with work share steps by weighted fairness.
+While batch-priority work runs, interactive tenants' new prompts get a step of their own, ahead of
+the next batch step or between two layers of the one in flight, so a flood does not delay their
+first token by a whole batch step.
 """
 
 import logging
@@ -10,7 +13,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +23,7 @@ from gpushare.engine.detokenizer import append_text, finish_reason, releasable_t
 from gpushare.engine.kv_cache import BlockPool, kv_bytes_per_block
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.request_checks import new_sequence
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
 from gpushare.engine.tenants import TenantLedger, TenantPolicy, TenantStats
@@ -88,6 +91,7 @@ class Engine:
         self.last_tick_s = time.monotonic()
         self.on_step: Callable[["Engine"], None] | None = None  # test hook: runs after every step
         self._inbox: queue.Queue = queue.Queue()
+        self._deferred: list = []  # inbox items taken during a paused step, handled after it
         self._thread: threading.Thread | None = None
         self._pinned = threading.Event()
         self._stopping = False
@@ -174,7 +178,8 @@ class Engine:
         worker = self.workers.get(model_name)
         if worker is None:
             raise KeyError(f"model {model_name!r} is not loaded")
-        seq = self._new_sequence(worker, model_name, prompt_ids, params, on_output, request_id, tenant)
+        seq = new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, prompt_ids, params,
+                           on_output, request_id, tenant)
         self._inbox.put(("submit", seq))
         return seq.request_id
 
@@ -187,8 +192,8 @@ class Engine:
             raise KeyError(f"model {model_name!r} is not loaded")
         future: Future = Future()
         params = SamplingParams(max_tokens=1)
-        seqs = [self._new_sequence(worker, model_name, ids, params, lambda out: None, None, "default")
-                for ids in inputs]
+        seqs = [new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, ids, params,
+                             lambda out: None, None, "default") for ids in inputs]
         self._inbox.put(("embed", model_name, seqs, future))
         return future
 
@@ -207,39 +212,6 @@ class Engine:
                 prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
                 preemptions=w.scheduler.num_preemptions, cached_blocks=len(pool.cached))
         return out
-
-    # ---- validation (caller's thread) ----------------------------------------------------
-    def _new_sequence(self, worker, model_name, prompt_ids, params, on_output, request_id, tenant) -> Sequence:
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        vocab = worker.loaded.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        context = worker.loaded.config.context_length
-        if len(prompt_ids) >= context:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than the model's context of {context} tokens")
-        pool = worker.scheduler.pool
-        room = min(context, pool.num_blocks * pool.block_size) - len(prompt_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens < 1:
-            raise ValueError(f"prompt is {len(prompt_ids)} tokens and leaves no room to generate in the KV "
-                             f"cache pool ({pool.num_blocks * pool.block_size} tokens)")
-        if len(prompt_ids) + max_tokens > context:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                             f"model's context of {context} tokens")
-        if pool.blocks_for(len(prompt_ids) + max_tokens) > pool.num_blocks:
-            raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
-                             f"than the whole pool ({pool.num_blocks * pool.block_size} tokens)")
-        limit = self.ledger.policy(tenant).limit_bytes(pool.bytes_per_token)
-        if limit is not None and pool.blocks_for(len(prompt_ids) + max_tokens) * pool.block_bytes > limit:
-            raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
-                             f"than tenant {tenant!r}'s kv_limit ({limit // pool.bytes_per_token} tokens)")
-        seq = Sequence(request_id or uuid.uuid4().hex, model_name, list(prompt_ids), params, on_output, tenant,
-                       max_tokens=max_tokens)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        return seq
 
     # ---- engine thread -------------------------------------------------------------------
     def _run_on_engine(self, fn):
@@ -260,11 +232,17 @@ class Engine:
         while not self._stopping:
             self.last_tick_s = time.monotonic()
             self._drain_inbox(block=not self.has_work())
+            self._run_interactive_first()
             worker = self._pick_worker()
             if worker is not None:
                 self._step(worker)
 
     def _drain_inbox(self, block: bool) -> None:
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            self._handle(item)
+        if deferred:
+            block = False
         try:
             item = self._inbox.get(timeout=self.config.idle_tick_s) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -310,10 +288,16 @@ class Engine:
 
     def _step(self, worker: ModelWorker) -> None:
         batch = worker.scheduler.schedule()
-        if not batch.seqs:
-            return
+        if batch.seqs:
+            self._run_step(worker, batch, pausable=any(not self.ledger.is_interactive(s.tenant) for s in batch.seqs))
+
+    def _run_step(self, worker: ModelWorker, batch, pausable: bool) -> None:
+        runner = worker.runner
         try:
-            sampled = worker.runner.step(batch)
+            step = runner.begin(batch)
+            while not runner.advance(step, self._inbox_has_items if pausable else None):
+                self._pause()
+            sampled = runner.complete(step)
         except Exception as e:  # a failed step fails its batch, never the engine
             log.exception("engine step failed for model %s", worker.name)
             for seq in batch.seqs:
@@ -328,6 +312,35 @@ class Engine:
             self._advance(worker, seq, token)
         if self.on_step is not None:
             self.on_step(self)
+
+    def _inbox_has_items(self) -> bool:
+        return not self._inbox.empty()
+
+    def _pause(self) -> None:
+        """Between two layers of a batch-priority step: take new requests in and run interactive
+        prompts now. Everything else (cancels, calls) waits for the step's end, since it could free
+        blocks the paused step still writes to."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] == "submit":
+                self._handle(item)
+            else:
+                self._deferred.append(item)
+        self._run_interactive_first()
+
+    def _run_interactive_first(self) -> None:
+        """While batch-priority work runs, interactive tenants' waiting prompts get a step of their own."""
+        workers = list(self.workers.values())
+        if not any(w.scheduler.runs_batch_priority() for w in workers):
+            return
+        for worker in workers:
+            if worker.scheduler.has_interactive_waiting():
+                batch = worker.scheduler.schedule_interactive()
+                if batch.seqs:
+                    self._run_step(worker, batch, pausable=False)
 
     def _advance(self, worker: ModelWorker, seq: Sequence, token: int) -> None:
         if seq.first_token_time_s is None:

@@ -1,17 +1,28 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model over the paged cache, samples."""
+"""ModelRunner: turns a scheduled batch into tensors, runs the model over the paged cache, samples.
+
+A step can pause between layers (the engine runs urgent work meanwhile) and resume."""
+
+from dataclasses import dataclass
 
 import torch
 
 from gpushare.engine.kv_cache import BlockPool, allocate_kv_tensors
 from gpushare.engine.sampling import sample
 from gpushare.engine.scheduler import Batch
-from gpushare.models.llama import AttentionBatch
+from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.loader import LoadedModel
 
 
 def _padded(tables: list[list[int]], device) -> torch.Tensor:
     width = max((len(t) for t in tables), default=0) or 1
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
+@dataclass
+class StepInFlight:
+    batch: Batch
+    forward: ForwardState
+    last_rows: dict[int, int]  # batch index -> row of its last token
 
 
 class ModelRunner:
@@ -56,25 +67,43 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), batch, last_rows
 
-    def hidden_states(self, seqs, chunks):
-        """Run the model; returns the final hidden states and each sequence's last row index."""
-        input_ids, positions, batch, last_rows = self._inputs(seqs, chunks)
-        hidden = self.loaded.model(input_ids, positions, self.kv_caches, batch)
-        for seq, chunk in zip(seqs, chunks):
-            seq.num_computed += chunk
-        return hidden, last_rows
+    def begin(self, batch: Batch) -> StepInFlight:
+        """Start a step; ``advance`` runs it, ``complete`` samples its tokens."""
+        input_ids, positions, attention, last_rows = self._inputs(batch.seqs, batch.chunks)
+        return StepInFlight(batch, self.loaded.model.start(input_ids, positions, attention), last_rows)
 
-    def step(self, batch: Batch) -> list[tuple]:
-        """Compute one step; returns ``(seq, token)`` for every sequence whose chunk ended its input."""
-        hidden, last_rows = self.hidden_states(batch.seqs, batch.chunks)
+    def advance(self, step: StepInFlight, should_pause=None) -> bool:
+        """Run the step's layers; False when ``should_pause()`` stopped it between two layers."""
+        return self.loaded.model.run_layers(step.forward, self.kv_caches, should_pause)
+
+    def complete(self, step: StepInFlight) -> list[tuple]:
+        """Finish an advanced step; returns ``(seq, token)`` for every sequence whose chunk ended its input."""
+        batch = step.batch
+        hidden = self.loaded.model.finish(step.forward)
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            seq.num_computed += chunk
         ready = [i for i, seq in enumerate(batch.seqs) if seq.num_pending == 0]
         if not ready:
             return []
-        rows = torch.tensor([last_rows[i] for i in ready], device=self.device)
+        rows = torch.tensor([step.last_rows[i] for i in ready], device=self.device)
         logits = self.loaded.model.logits(hidden[rows])
         seqs = [batch.seqs[i] for i in ready]
         tokens = sample(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs])
         return list(zip(seqs, tokens))
+
+    def step(self, batch: Batch) -> list[tuple]:
+        """Compute one whole step (see ``complete``)."""
+        step = self.begin(batch)
+        self.advance(step)
+        return self.complete(step)
+
+    def hidden_states(self, seqs, chunks):
+        """Run the model at once; returns the final hidden states and each sequence's last row index."""
+        input_ids, positions, attention, last_rows = self._inputs(seqs, chunks)
+        hidden = self.loaded.model(input_ids, positions, self.kv_caches, attention)
+        for seq, chunk in zip(seqs, chunks):
+            seq.num_computed += chunk
+        return hidden, last_rows
 
     def embed(self, seq) -> list[float]:
         """Mean-pooled, L2-normalised final hidden states of ``seq``'s prompt (its blocks already held)."""

@@ -85,5 +85,8 @@ class TenantLedger:
         if others:
             self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), min(others))
 
+    def is_interactive(self, tenant: str) -> bool:
+        return self.policy(tenant).priority == "interactive"
+
     def admission_key(self, tenant: str):
         return (PRIORITIES.index(self.policy(tenant).priority), self.virtual_tokens.get(tenant, 0.0))

@@ -27,6 +27,17 @@ class AttentionBatch:
     decode_context_lens: torch.Tensor   # [D] int32, current token included
 
 
+@dataclass
+class ForwardState:
+    """A forward pass in progress: the hidden states after ``next_layer`` layers."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    batch: AttentionBatch
+    next_layer: int = 0
+
+
 class Linear(nn.Module):
     """A linear layer that can hand its weight to oneDNN in a pre-reordered layout.
 
@@ -167,12 +178,35 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
         """Final hidden states ``[T, hidden]`` (normed) for every input token."""
+        state = self.start(input_ids, positions, batch)
+        self.run_layers(state, kv_caches)
+        return self.finish(state)
+
+    @torch.inference_mode()
+    def start(self, input_ids, positions, batch: AttentionBatch) -> "ForwardState":
+        """A forward pass ready to run its first layer."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope[positions].to(x.dtype)
-        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, batch)
-        return self.norm(x)
+        return ForwardState(x, cos_sin[:, 0, None, :], cos_sin[:, 1, None, :], batch)
+
+    @torch.inference_mode()
+    def run_layers(self, state: "ForwardState", kv_caches, should_pause=None) -> bool:
+        """Run layers until the last one (True) or until ``should_pause()`` says so after a layer (False).
+
+        A paused pass resumes with the next call; meanwhile other sequences may run, since a pass
+        only writes its own tokens' cache slots.
+        """
+        while state.next_layer < len(self.layers):
+            i = state.next_layer
+            state.x = self.layers[i](state.x, state.cos, state.sin, kv_caches[i], state.batch)
+            state.next_layer = i + 1
+            if should_pause is not None and state.next_layer < len(self.layers) and should_pause():
+                return False
+        return True
+
+    @torch.inference_mode()
+    def finish(self, state: "ForwardState"):
+        return self.norm(state.x)
 
     @torch.inference_mode()
     def logits(self, hidden):

@@ -1,0 +1,131 @@
+"""Interactive tenants ahead of batch-priority work: a new interactive prompt runs in a step of its
+own, before the next batch step or between two layers of the one in flight."""
+
+import threading
+
+import pytest
+
+from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.kv_cache import kv_bytes_per_block
+from gpushare.engine.tenants import TenantPolicy
+from test_engine import PROMPTS, chat_ids, greedy
+
+FLOOD_PROMPTS = PROMPTS[:4]
+CHAT_PROMPT = PROMPTS[4]
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs of every prompt alone."""
+    return {p: llm.chat([[{"role": "user", "content": p}]], greedy(24))[0].token_ids for p in PROMPTS[:5]}
+
+
+class Run:
+    """An engine with a batch-priority "flood" tenant and an interactive "chat" tenant; every output
+    goes into one ordered log (outputs are emitted on the engine thread)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = Engine(EngineConfig())
+        per_block = kv_bytes_per_block(llm.model.config, self.engine.config.block_size, llm.model.dtype)
+        self.engine.add_model("m", llm.model, 64 * per_block)
+        self.engine.set_tenants([TenantPolicy("flood", priority="batch"), TenantPolicy("chat")])
+        self.log: list[tuple[str, int | None]] = []  # (prompt or marker, token)
+        self.tokens: dict[str, list[int]] = {}
+        self.reasons: dict[str, str] = {}
+        self.request_ids: dict[str, str] = {}
+        self.done = threading.Event()
+
+    def submit(self, prompt: str, tenant: str) -> None:
+        tokens = self.tokens.setdefault(prompt, [])
+
+        def on_output(out):
+            for token in out.token_ids:
+                self.log.append((prompt, token))
+            tokens.extend(out.token_ids)
+            if out.finished:
+                self.reasons[prompt] = out.finish_reason
+                if len(self.reasons) == len(FLOOD_PROMPTS) + 1:
+                    self.done.set()
+
+        self.request_ids[prompt] = self.engine.submit("m", chat_ids(self.llm, prompt), greedy(24), on_output,
+                                                      tenant=tenant)
+
+    def flood_is_decoding(self) -> bool:
+        return all(len(self.tokens.get(p, [])) >= 2 for p in FLOOD_PROMPTS)
+
+    def after_marker(self) -> list[str]:
+        """Whose tokens came out after the marker, in order."""
+        return [who for who, _ in self.log[self.log.index(("marker", None)) + 1:]]
+
+    def finish(self) -> None:
+        try:
+            assert self.done.wait(300), "requests did not finish"
+            assert self.engine.stats().models["m"].blocks_used == 0
+        finally:
+            self.engine.shutdown()
+
+
+def chat_arrives_between_flood_steps(run: Run) -> None:
+    """Flood, then the chat request once the flood decodes (sent from the engine thread between
+    two steps, after the marker); waits for everything."""
+    def on_step(engine):
+        if run.flood_is_decoding() and CHAT_PROMPT not in run.tokens:
+            run.log.append(("marker", None))
+            run.submit(CHAT_PROMPT, "chat")
+
+    run.engine.on_step = on_step
+    run.engine.start()
+    for p in FLOOD_PROMPTS:
+        run.submit(p, "flood")
+    run.finish()
+
+
+def test_interactive_prompt_runs_before_the_next_batch_step(llm, reference):
+    run = Run(llm)
+    chat_arrives_between_flood_steps(run)
+    assert run.after_marker()[0] == CHAT_PROMPT
+    assert {p: run.tokens[p] for p in PROMPTS[:5]} == reference
+
+
+def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, reference):
+    """The chat request arrives while the flood's step is at layer 10 of 30; a flood request is
+    cancelled at the same moment. The chat's first token comes before that step's tokens, the
+    paused step's results are the same as unpaused, and the cancelled request's blocks come back."""
+    run = Run(llm)
+    cancelled = FLOOD_PROMPTS[0]
+    armed = threading.Event()
+
+    def on_step(engine):
+        if run.flood_is_decoding() and CHAT_PROMPT not in run.tokens and not armed.is_set():
+            armed.set()
+            run.log.append(("marker", None))
+
+    def at_layer_10(module, args, output):
+        if armed.is_set() and CHAT_PROMPT not in run.tokens:
+            run.submit(CHAT_PROMPT, "chat")
+            run.engine.cancel(run.request_ids[cancelled])
+
+    hook = llm.model.model.layers[10].register_forward_hook(at_layer_10)
+    try:
+        run.engine.on_step = on_step
+        run.engine.start()
+        for p in FLOOD_PROMPTS:
+            run.submit(p, "flood")
+        run.finish()
+    finally:
+        hook.remove()
+    assert run.after_marker()[0] == CHAT_PROMPT
+    assert run.reasons[cancelled] == "abort"
+    assert run.tokens[cancelled] == reference[cancelled][:len(run.tokens[cancelled])]
+    assert {p: run.tokens[p] for p in PROMPTS[1:5]} == {p: reference[p] for p in PROMPTS[1:5]}
+
+
+def test_without_batch_work_a_new_prompt_joins_the_running_step(llm, reference):
+    """Among interactive tenants nothing changes: the new prompt is admitted into the next step
+    with everyone's decodes (continuous batching), so their tokens come out first."""
+    run = Run(llm)
+    run.engine.set_tenants([TenantPolicy("flood"), TenantPolicy("chat")])
+    chat_arrives_between_flood_steps(run)
+    assert run.after_marker()[:len(FLOOD_PROMPTS) + 1] == [*FLOOD_PROMPTS, CHAT_PROMPT]
+    assert {p: run.tokens[p] for p in PROMPTS[:5]} == reference
