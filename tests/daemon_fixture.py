@@ -2,7 +2,7 @@
 
 The daemon runs as the installed console script (.venv/bin/gpushare) with a YAML config
 written to a temp dir, serving the bundled SmolLM2-135M GGUF (preloaded). Test modules
-build a module-scoped fixture with `start_daemon` and stop it with `Daemon.stop`; the
+build a module-scoped fixture with `with serving(...) as daemon: yield daemon`; the
 offline oracle is conftest's session-scoped `llm`.
 """
 
@@ -17,8 +17,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -33,10 +35,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body=None, timeout_s: float = 120) -> tuple[int, dict | str, dict]:
+def http(method: str, url: str, body=None, timeout_s: float = 120,
+         headers: dict | None = None) -> tuple[int, dict | str, dict]:
     """(status, parsed JSON or text, headers) without raising on HTTP errors."""
     data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-    req = urllib.request.Request(url, data=data, method=method)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             status, raw, headers = resp.status, resp.read(), dict(resp.headers)
@@ -119,10 +122,17 @@ def spawn_daemon(tmp: Path, model_path: str, overrides: dict | None = None) -> D
     return Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
 
 
-def start_daemon(tmp: Path, model_path: str, overrides: dict | None = None) -> Daemon:
+@contextmanager
+def serving(tmp: Path, model_path: str, overrides: dict | None = None, while_loading=None) -> Iterator[Daemon]:
+    """A ready daemon, stopped on leaving; ``while_loading()`` runs while it loads its model."""
     daemon = spawn_daemon(tmp, model_path, overrides)
-    daemon.wait_ready()
-    return daemon
+    try:
+        if while_loading is not None:
+            while_loading()
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        daemon.stop()
 
 
 def wait_for(predicate, timeout_s: float = 10, interval_s: float = 0.1):

@@ -11,7 +11,7 @@ from http.client import HTTPConnection
 
 import ollama
 import pytest
-from daemon_fixture import MODEL, http, spawn_daemon, wait_for
+from daemon_fixture import MODEL, http, serving, wait_for
 
 from gpushare import SamplingParams
 
@@ -20,11 +20,9 @@ GREEDY = {"temperature": 0, "num_predict": 10}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path, request):
-    d = spawn_daemon(tmp_path_factory.mktemp("ollama"), smollm2_path)
-    request.getfixturevalue("llm")  # load the offline oracle while the daemon loads its copy
-    d.wait_ready()
-    yield d
-    d.stop()
+    # The offline oracle loads while the daemon loads its copy.
+    with serving(tmp_path_factory.mktemp("ollama"), smollm2_path, while_loading=lambda: request.getfixturevalue("llm")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

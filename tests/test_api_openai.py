@@ -9,19 +9,17 @@ import socket
 
 import openai
 import pytest
-from daemon_fixture import MODEL, http, spawn_daemon, wait_for
+from daemon_fixture import MODEL, http, serving, wait_for
 
 from gpushare import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path, request):
-    d = spawn_daemon(tmp_path_factory.mktemp("openai"), smollm2_path,
-                     {"engine": {"max_num_seqs": 2}, "server": {"max_queued": 1}})
-    request.getfixturevalue("llm")  # load the offline oracle while the daemon loads its copy
-    d.wait_ready()
-    yield d
-    d.stop()
+    with serving(tmp_path_factory.mktemp("openai"), smollm2_path,
+                 {"engine": {"max_num_seqs": 2}, "server": {"max_queued": 1}},
+                 while_loading=lambda: request.getfixturevalue("llm")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,15 @@ import subprocess
 from http.client import HTTPConnection
 
 import pytest
-from daemon_fixture import GPUSHARE, MODEL, free_port, start_daemon
+from daemon_fixture import GPUSHARE, MODEL, free_port, serving
 
 from gpushare import SamplingParams, cli
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
-    d = start_daemon(tmp_path_factory.mktemp("cli"), smollm2_path, {"server": {"drain_timeout": "2s"}})
-    yield d
-    d.stop()
+    with serving(tmp_path_factory.mktemp("cli"), smollm2_path, {"server": {"drain_timeout": "2s"}}) as d:
+        yield d
 
 
 @pytest.fixture

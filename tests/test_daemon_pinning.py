@@ -3,7 +3,7 @@
 import os
 import re
 
-from daemon_fixture import start_daemon
+from daemon_fixture import serving
 from gpushare.node.affinity import plan_pinning
 from gpushare.node.settings import parse_node_settings
 from gpushare.node.topology import parse_cpulist, read_topology
@@ -17,8 +17,7 @@ def thread_cpus(pid: int, tid: int) -> list[int]:
 def test_engine_thread_affinity_matches_the_plan(tmp_path, smollm2_path):
     last_cpu = max(os.sched_getaffinity(0))
     node = {"cpus": [last_cpu]}
-    daemon = start_daemon(tmp_path, smollm2_path, {"node": node})
-    try:
+    with serving(tmp_path, smollm2_path, {"node": node}) as daemon:
         found = re.search(r"engine thread (\d+) pinned to CPUs ([\d,]+)", daemon.log())
         assert found, daemon.log()
         tid = int(found.group(1))
@@ -26,5 +25,3 @@ def test_engine_thread_affinity_matches_the_plan(tmp_path, smollm2_path):
                                 allowed_cpus=sorted(os.sched_getaffinity(0))).engines[0].cpus
         assert expected == [last_cpu]
         assert thread_cpus(daemon.proc.pid, tid) == expected
-    finally:
-        daemon.stop()

@@ -4,16 +4,12 @@ traffic, read the way Prometheus reads them: prometheus-client's own text parser
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import urllib.error
-import urllib.request
 from http.client import HTTPConnection
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_fixture import GPUSHARE, MODEL, START_TIMEOUT_S, Daemon, free_port, wait_for, write_config
+from daemon_fixture import MODEL, Daemon, http, serving, wait_for
 from gpushare.node.gpu import read_gpus
 
 KEY = "alice-metrics-key"
@@ -22,14 +18,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three col
 
 
 def call(daemon: Daemon, method: str, path: str, body=None, key: str | None = KEY):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(daemon.url + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, resp.read().decode(), dict(resp.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(), dict(e.headers)
+    """(status, parsed JSON or text, headers), with tenant alice's key unless told otherwise."""
+    return http(method, daemon.url + path, body, headers={"Authorization": f"Bearer {key}"} if key else {})
 
 
 def scrape(daemon: Daemon) -> dict[tuple, float]:
@@ -46,34 +36,15 @@ def value(samples: dict, name: str, **labels) -> float | None:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("metrics")
-    (tmp / "models").mkdir()
-    port = free_port()
-    config = write_config(tmp, port, smollm2_path, {"tenants": [{"name": "alice", "api_keys": [KEY]}]})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    log_path = tmp / "daemon.log"
-    proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
-                            stderr=subprocess.STDOUT, env=env)
-    d = Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
-
-    def ready():
-        assert proc.poll() is None, f"gpushare serve exited with {proc.returncode}:\n{d.log()}"
-        try:
-            return call(d, "GET", "/ready", key=None)[0] == 200
-        except (urllib.error.URLError, ConnectionError):
-            return False
-
-    try:
-        assert wait_for(ready, START_TIMEOUT_S, 0.2), f"not ready in {START_TIMEOUT_S}s:\n{d.log()}"
+    with serving(tmp_path_factory.mktemp("metrics"), smollm2_path,
+                 {"tenants": [{"name": "alice", "api_keys": [KEY]}]}) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def test_health_and_ready_answer_json_without_a_key(daemon):
     assert call(daemon, "GET", "/health", key=None)[0] == 200
     status, body, _ = call(daemon, "GET", "/ready", key=None)
-    assert status == 200 and json.loads(body) == {"status": "serving"}
+    assert status == 200 and body == {"status": "serving"}
 
 
 def test_gauges_show_a_stream_in_flight(daemon):
@@ -96,16 +67,16 @@ def test_counters_and_histograms_after_traffic(daemon):
     before = scrape(daemon)
     prompt = generated = 0
     for _ in range(2):  # the same conversation twice: the second reuses the first one's prefix blocks
-        status, text, _ = call(daemon, "POST", "/v1/chat/completions", CHAT)
+        status, reply, _ = call(daemon, "POST", "/v1/chat/completions", CHAT)
         assert status == 200
-        usage = json.loads(text)["usage"]
+        usage = reply["usage"]
         prompt += usage["prompt_tokens"]
         generated += usage["completion_tokens"]
-    status, text, _ = call(daemon, "POST", "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
-                                                             "options": {"num_predict": 3}})
+    status, reply, _ = call(daemon, "POST", "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                                              "options": {"num_predict": 3}})
     assert status == 200
-    prompt += json.loads(text)["prompt_eval_count"]
-    generated += json.loads(text)["eval_count"]
+    prompt += reply["prompt_eval_count"]
+    generated += reply["eval_count"]
     assert call(daemon, "POST", "/api/generate", {"model": "no-such-model", "prompt": "Hi"})[0] == 404
     assert call(daemon, "POST", "/api/generate", {"model": MODEL, "prompt": "Hi"}, key="wrong")[0] == 401
     m = scrape(daemon)

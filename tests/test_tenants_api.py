@@ -10,14 +10,12 @@ import asyncio
 import hashlib
 import json
 import time
-import urllib.error
-import urllib.request
 from http.client import HTTPConnection
 
 import ollama
 import openai
 import pytest
-from daemon_fixture import MODEL, spawn_daemon, wait_for
+from daemon_fixture import MODEL, http, serving, wait_for
 
 from gpushare import cli
 from gpushare.api.context import ApiContext
@@ -44,13 +42,7 @@ def call(daemon, method: str, path: str, body=None, key: str | None = None, head
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers[header] = f"Bearer {key}" if header == "Authorization" else key
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(daemon.url + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), dict(e.headers)
+    return http(method, daemon.url + path, body, headers=headers)
 
 
 def ollama_chat(tokens: int = 1) -> dict:
@@ -63,21 +55,8 @@ def openai_chat(tokens: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
-    d = spawn_daemon(tmp_path_factory.mktemp("tenants"), smollm2_path, {"tenants": TENANTS})
-
-    def ready():
-        if d.proc.poll() is not None:
-            raise RuntimeError(f"gpushare serve exited:\n{d.log()}")
-        try:
-            return any(m["name"] == MODEL for m in call(d, "GET", "/api/ps", key="ops-key")[1]["models"])
-        except (urllib.error.URLError, ConnectionError):
-            return False
-
-    if not wait_for(ready, timeout_s=180, interval_s=0.5):
-        d.stop()
-        raise RuntimeError(f"the daemon did not load {MODEL}:\n{d.log()}")
-    yield d
-    d.stop()
+    with serving(tmp_path_factory.mktemp("tenants"), smollm2_path, {"tenants": TENANTS}) as d:
+        yield d
 
 
 class HeldRequest:

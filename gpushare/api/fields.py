@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -79,6 +79,28 @@ def string_list(body: dict, key: str, *, prefix: str = "") -> list[str]:
         return value
     raise bad_request(f'"{prefix}{key}" must be a string or an array of strings, got {json.dumps(value)}',
                       param=prefix + key)
+
+
+def reject_unsupported(body: dict, unsupported: dict[str, str]) -> None:
+    """400 naming the first field of ``unsupported`` that the body sets; its value says why."""
+    for key, why in unsupported.items():
+        if body.get(key):
+            raise bad_request(f'"{key}" {why}', param=key)
+
+
+def message_list(messages: list, roles: dict[str, str], content: Callable[[dict, str], str]) -> list[dict]:
+    """Chat messages as ``{"role", "content"}``; ``roles`` maps the dialect's roles onto the chat
+    template's, ``content(message, where)`` reads one message's text (or raises the dialect's 400)."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f'"{where}" must be an object with "role" and "content"', param=where)
+        role = field(m, "role", "string", prefix=where + ".")
+        if role not in roles:
+            raise bad_request(f'"{where}.role" must be one of {", ".join(roles)}, got {role!r}', param=where + ".role")
+        out.append({"role": roles[role], "content": content(m, where)})
+    return out
 
 
 def keep_alive_s(body: dict) -> float | None:

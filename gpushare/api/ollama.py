@@ -21,7 +21,8 @@ from aiohttp import web
 from gpushare.api.context import context, encode_chat, encode_text
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import ApiError, bad_request
-from gpushare.api.fields import field, keep_alive_s, read_json_object, required_string, string_list
+from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
+                                 required_string, string_list)
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.tenants import admit, check_admin, check_model, tenant_rows, visible
@@ -30,10 +31,19 @@ from gpushare.engine.registry import ModelLoadError, RegistrationError, Registry
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = {role: role for role in ("system", "user", "assistant", "tool")}
 # Options we take, with their Ollama defaults; other Ollama options (num_gpu, mirostat, ...)
 # are llama.cpp-specific and ignored.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+UNSUPPORTED = {
+    "format": "(structured output) is not supported",
+    "images": "is not supported: no vision models",
+    "tools": "is not supported",
+    "suffix": "(fill-in-the-middle) is not supported",
+    "template": "is not supported: the template comes from the model file",
+    "context": "is not supported; use /api/chat to continue a conversation",
+    "think": "is not supported",
+}
 
 
 def now_rfc3339() -> str:
@@ -45,23 +55,6 @@ def rfc3339(epoch_s: float) -> str:
 
 
 # ---------------------------------------------------------------------------- request parsing
-
-def _reject_unsupported(body: dict) -> None:
-    if body.get("format"):
-        raise bad_request('"format" (structured output) is not supported', param="format")
-    if body.get("images"):
-        raise bad_request('"images" is not supported: no vision models', param="images")
-    if body.get("tools"):
-        raise bad_request('"tools" is not supported', param="tools")
-    if body.get("suffix"):
-        raise bad_request('"suffix" (fill-in-the-middle) is not supported', param="suffix")
-    if body.get("template"):
-        raise bad_request('"template" is not supported: the template comes from the model file', param="template")
-    if body.get("context"):
-        raise bad_request('"context" is not supported; use /api/chat to continue a conversation', param="context")
-    if body.get("think"):
-        raise bad_request('"think" is not supported', param="think")
-
 
 def sampling_from_options(body: dict):
     """SamplingParams from Ollama's `options`; also returns num_ctx (None if unset)."""
@@ -92,20 +85,14 @@ def sampling_from_options(body: dict):
     return values, max_tokens, num_ctx
 
 
+def _message_content(m: dict, where: str) -> str:
+    if m.get("images"):
+        raise bad_request(f'"{where}.images" is not supported: no vision models', param=where + ".images")
+    return field(m, "content", "string", "", prefix=where + ".")
+
+
 def parse_messages(body: dict) -> list[dict]:
-    messages = field(body, "messages", "array", [])
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f'"{where}" must be an object with "role" and "content"', param=where)
-        role = field(m, "role", "string", prefix=where + ".")
-        if role not in ROLES:
-            raise bad_request(f'"{where}.role" must be one of {", ".join(ROLES)}, got {role!r}', param=where + ".role")
-        if m.get("images"):
-            raise bad_request(f'"{where}.images" is not supported: no vision models', param=where + ".images")
-        out.append({"role": role, "content": field(m, "content", "string", "", prefix=where + ".")})
-    return out
+    return message_list(field(body, "messages", "array", []), ROLES, _message_content)
 
 
 # ---------------------------------------------------------------------------- shared flow
@@ -171,7 +158,7 @@ async def version(request: web.Request) -> web.Response:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    _reject_unsupported(body)
+    reject_unsupported(body, UNSUPPORTED)
     prompt = field(body, "prompt", "string", "")
     system = field(body, "system", "string", "")
     raw = field(body, "raw", "boolean", False)
@@ -190,7 +177,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    _reject_unsupported(body)
+    reject_unsupported(body, UNSUPPORTED)
     messages = parse_messages(body)
     if not messages:
         return await _load_or_unload(request, model, keep_alive_s(body),

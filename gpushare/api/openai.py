@@ -18,13 +18,14 @@ from aiohttp import web
 from gpushare.api.context import context, encode_chat, encode_text
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import bad_request, error_body
-from gpushare.api.fields import field, read_json_object, required_string, string_list
+from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.tenants import admit, check_model, visible
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINGERPRINT = "gpushare"
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "echo", "suffix")
 
 
 # ---------------------------------------------------------------------------- request parsing
@@ -36,16 +37,7 @@ def _reject_unsupported(body: dict) -> None:
     best_of = field(body, "best_of", "integer", 1)
     if best_of != 1:
         raise bad_request(f'"best_of" must be 1, got {best_of}', param="best_of")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request('"logprobs" is not supported', param="logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request('"tools" is not supported', param="tools")
-    if body.get("logit_bias"):
-        raise bad_request('"logit_bias" is not supported', param="logit_bias")
-    if body.get("echo"):
-        raise bad_request('"echo" is not supported', param="echo")
-    if body.get("suffix"):
-        raise bad_request('"suffix" is not supported', param="suffix")
+    reject_unsupported(body, {key: "is not supported" for key in UNSUPPORTED})
     response_format = field(body, "response_format", "object", {"type": "text"})
     if response_format.get("type", "text") != "text":
         raise bad_request(f'"response_format" {response_format.get("type")!r} is not supported, only "text"',
@@ -71,7 +63,8 @@ def sampling_values(body: dict, default_max_tokens: int | None) -> dict:
     }
 
 
-def _content_text(content, where: str) -> str:
+def _message_content(m: dict, where: str) -> str:
+    content = m.get("content")
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
@@ -89,16 +82,7 @@ def parse_messages(body: dict) -> list[dict]:
     messages = field(body, "messages", "array")
     if not messages:
         raise bad_request('"messages" is required and must not be empty', param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f'"{where}" must be an object with "role" and "content"', param=where)
-        role = field(m, "role", "string", prefix=where + ".")
-        if role not in ROLES:
-            raise bad_request(f'"{where}.role" must be one of {", ".join(ROLES)}, got {role!r}', param=where + ".role")
-        out.append({"role": ROLES[role], "content": _content_text(m.get("content"), where)})
-    return out
+    return message_list(messages, ROLES, _message_content)
 
 
 def parse_prompt(body: dict) -> str | list[int]:
