@@ -289,7 +289,9 @@ class Engine:
     def _step(self, worker: ModelWorker) -> None:
         batch = worker.scheduler.schedule()
         if batch.seqs:
-            self._run_step(worker, batch, pausable=any(not self.ledger.is_interactive(s.tenant) for s in batch.seqs))
+            pausable = self.ledger.has_batch_tenants() and not all(self.ledger.is_interactive(s.tenant)
+                                                                   for s in batch.seqs)
+            self._run_step(worker, batch, pausable)
 
     def _run_step(self, worker: ModelWorker, batch, pausable: bool) -> None:
         runner = worker.runner
@@ -334,7 +336,7 @@ class Engine:
     def _run_interactive_first(self) -> None:
         """While batch-priority work runs, interactive tenants' waiting prompts get a step of their own."""
         workers = list(self.workers.values())
-        if not any(w.scheduler.runs_batch_priority() for w in workers):
+        if not self.ledger.has_batch_tenants() or not any(w.scheduler.runs_batch_priority() for w in workers):
             return
         for worker in workers:
             if worker.scheduler.has_interactive_waiting():

@@ -85,6 +85,9 @@ class TenantLedger:
         if others:
             self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), min(others))
 
+    def has_batch_tenants(self) -> bool:
+        return any(p.priority != "interactive" for p in self.policies.values())
+
     def is_interactive(self, tenant: str) -> bool:
         return self.policy(tenant).priority == "interactive"
 
