@@ -1,5 +1,5 @@
-"""Interactive tenants ahead of batch-priority work: a new interactive prompt runs in a step of its
-own, before the next batch step or between two layers of the one in flight."""
+"""Prompts of a tenant ahead of all running work (higher priority, or within its fair share) run in a
+step of their own, before the next step or between two layers of the one in flight."""
 
 import threading
 
@@ -17,19 +17,22 @@ CHAT_PROMPT = PROMPTS[4]
 @pytest.fixture(scope="module")
 def reference(llm):
     """Greedy outputs of every prompt alone."""
-    return {p: llm.chat([[{"role": "user", "content": p}]], greedy(24))[0].token_ids for p in PROMPTS[:5]}
+    return {p: llm.chat([[{"role": "user", "content": p}]], greedy(24))[0].token_ids for p in PROMPTS}
 
 
 class Run:
     """An engine with a batch-priority "flood" tenant and an interactive "chat" tenant; every output
     goes into one ordered log (outputs are emitted on the engine thread)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, flood_priority="batch", chat_priority="interactive"):
         self.llm = llm
         self.engine = Engine(EngineConfig())
         per_block = kv_bytes_per_block(llm.model.config, self.engine.config.block_size, llm.model.dtype)
         self.engine.add_model("m", llm.model, 64 * per_block)
-        self.engine.set_tenants([TenantPolicy("flood", priority="batch"), TenantPolicy("chat")])
+        self.engine.set_tenants([TenantPolicy("flood", priority=flood_priority),
+                                 TenantPolicy("chat", priority=chat_priority), TenantPolicy("chat2")])
+        self.chat_tenant = "chat"
+        self.num_requests = len(FLOOD_PROMPTS) + 1
         self.log: list[tuple[str, int | None]] = []  # (prompt or marker, token)
         self.tokens: dict[str, list[int]] = {}
         self.reasons: dict[str, str] = {}
@@ -45,7 +48,7 @@ class Run:
             tokens.extend(out.token_ids)
             if out.finished:
                 self.reasons[prompt] = out.finish_reason
-                if len(self.reasons) == len(FLOOD_PROMPTS) + 1:
+                if len(self.reasons) == self.num_requests:
                     self.done.set()
 
         self.request_ids[prompt] = self.engine.submit("m", chat_ids(self.llm, prompt), greedy(24), on_output,
@@ -72,7 +75,7 @@ def chat_arrives_between_flood_steps(run: Run) -> None:
     def on_step(engine):
         if run.flood_is_decoding() and CHAT_PROMPT not in run.tokens:
             run.log.append(("marker", None))
-            run.submit(CHAT_PROMPT, "chat")
+            run.submit(CHAT_PROMPT, run.chat_tenant)
 
     run.engine.on_step = on_step
     run.engine.start()
@@ -85,7 +88,7 @@ def test_interactive_prompt_runs_before_the_next_batch_step(llm, reference):
     run = Run(llm)
     chat_arrives_between_flood_steps(run)
     assert run.after_marker()[0] == CHAT_PROMPT
-    assert {p: run.tokens[p] for p in PROMPTS[:5]} == reference
+    assert run.tokens == {p: reference[p] for p in run.tokens}
 
 
 def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, reference):
@@ -121,11 +124,54 @@ def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, referen
     assert {p: run.tokens[p] for p in PROMPTS[1:5]} == {p: reference[p] for p in PROMPTS[1:5]}
 
 
-def test_without_batch_work_a_new_prompt_joins_the_running_step(llm, reference):
-    """Among interactive tenants nothing changes: the new prompt is admitted into the next step
-    with everyone's decodes (continuous batching), so their tokens come out first."""
-    run = Run(llm)
-    run.engine.set_tenants([TenantPolicy("flood"), TenantPolicy("chat")])
+def test_same_priority_tenant_within_its_fair_share_also_goes_first(llm, reference):
+    """Both tenants interactive: the chat tenant has computed far fewer tokens than the flood (its
+    counter starts level with the flood's when it turns busy), so its prompt goes first too."""
+    run = Run(llm, flood_priority="interactive")
+    chat_arrives_between_flood_steps(run)
+    assert run.after_marker()[0] == CHAT_PROMPT
+    assert run.tokens == {p: reference[p] for p in run.tokens}
+
+
+@pytest.mark.parametrize("case", ["same tenant", "lower priority"])
+def test_a_prompt_not_ahead_of_the_running_work_joins_the_next_step(llm, reference, case):
+    """A new prompt of a tenant already running, or of a lower-priority tenant, is admitted into
+    the next step with everyone's decodes (continuous batching), so their tokens come out first."""
+    run = Run(llm, flood_priority="interactive", chat_priority="batch")
+    if case == "same tenant":
+        run.chat_tenant = "flood"
     chat_arrives_between_flood_steps(run)
     assert run.after_marker()[:len(FLOOD_PROMPTS) + 1] == [*FLOOD_PROMPTS, CHAT_PROMPT]
-    assert {p: run.tokens[p] for p in PROMPTS[:5]} == reference
+    assert run.tokens == {p: reference[p] for p in run.tokens}
+
+
+def test_an_urgent_step_pauses_in_turn_for_a_newer_tenant(llm, reference):
+    """The chat request pauses the flood's step at layer 10; a third tenant's request arrives at
+    layer 10 of the chat's own step and pauses that one: first tokens come newest first."""
+    run = Run(llm)
+    run.num_requests += 1
+    second = PROMPTS[5]
+    armed = threading.Event()
+
+    def on_step(engine):
+        if run.flood_is_decoding() and not armed.is_set():
+            armed.set()
+            run.log.append(("marker", None))
+
+    def at_layer_10(module, args, output):
+        if armed.is_set() and CHAT_PROMPT not in run.tokens:
+            run.submit(CHAT_PROMPT, "chat")
+        elif armed.is_set() and second not in run.tokens:
+            run.submit(second, "chat2")
+
+    hook = llm.model.model.layers[10].register_forward_hook(at_layer_10)
+    try:
+        run.engine.on_step = on_step
+        run.engine.start()
+        for p in FLOOD_PROMPTS:
+            run.submit(p, "flood")
+        run.finish()
+    finally:
+        hook.remove()
+    assert run.after_marker()[:3] == [second, CHAT_PROMPT, FLOOD_PROMPTS[0]]
+    assert run.tokens == {p: reference[p] for p in run.tokens}

@@ -3,9 +3,9 @@
 Other threads talk to it through ``submit``/``cancel``/``embed`` (a thread-safe inbox) and get
 tokens back through each request's ``on_output`` callback, called from the engine thread.
 Each loop turn runs one step of one model; models with work share steps by weighted fairness.
-While batch-priority work runs, interactive tenants' new prompts get a step of their own, ahead of
-the next batch step or between two layers of the one in flight, so a flood does not delay their
-first token by a whole batch step.
+New prompts of a tenant that the admission order puts ahead of every other running tenant (higher
+priority, or not above its fair share) get a step of their own, before the next step or between
+two layers of the one in flight, so another tenant's flood does not delay their first token.
 """
 
 import logging
@@ -232,7 +232,7 @@ class Engine:
         while not self._stopping:
             self.last_tick_s = time.monotonic()
             self._drain_inbox(block=not self.has_work())
-            self._run_interactive_first()
+            self._run_urgent_prompts()
             worker = self._pick_worker()
             if worker is not None:
                 self._step(worker)
@@ -289,15 +289,13 @@ class Engine:
     def _step(self, worker: ModelWorker) -> None:
         batch = worker.scheduler.schedule()
         if batch.seqs:
-            pausable = self.ledger.has_batch_tenants() and not all(self.ledger.is_interactive(s.tenant)
-                                                                   for s in batch.seqs)
-            self._run_step(worker, batch, pausable)
+            self._run_step(worker, batch)
 
-    def _run_step(self, worker: ModelWorker, batch, pausable: bool) -> None:
+    def _run_step(self, worker: ModelWorker, batch) -> None:
         runner = worker.runner
         try:
             step = runner.begin(batch)
-            while not runner.advance(step, self._inbox_has_items if pausable else None):
+            while not runner.advance(step, self._inbox_has_items):
                 self._pause()
             sampled = runner.complete(step)
         except Exception as e:  # a failed step fails its batch, never the engine
@@ -319,9 +317,9 @@ class Engine:
         return not self._inbox.empty()
 
     def _pause(self) -> None:
-        """Between two layers of a batch-priority step: take new requests in and run interactive
-        prompts now. Everything else (cancels, calls) waits for the step's end, since it could free
-        blocks the paused step still writes to."""
+        """Between two layers of a step: take new requests in and run urgent prompts now. Everything
+        else (cancels, calls) waits for the step's end, since it could free blocks the paused step
+        still writes to."""
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -331,18 +329,20 @@ class Engine:
                 self._handle(item)
             else:
                 self._deferred.append(item)
-        self._run_interactive_first()
+        self._run_urgent_prompts()
 
-    def _run_interactive_first(self) -> None:
-        """While batch-priority work runs, interactive tenants' waiting prompts get a step of their own."""
+    def _run_urgent_prompts(self) -> None:
+        """Waiting prompts of tenants ahead of all running work get a step of their own. That step
+        may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
         workers = list(self.workers.values())
-        if not self.ledger.has_batch_tenants() or not any(w.scheduler.runs_batch_priority() for w in workers):
+        urgent = self.ledger.urgent_tenants({s.tenant for w in workers for s in w.scheduler.waiting},
+                                            {s.tenant for w in workers for s in w.scheduler.running})
+        if not urgent:
             return
         for worker in workers:
-            if worker.scheduler.has_interactive_waiting():
-                batch = worker.scheduler.schedule_interactive()
-                if batch.seqs:
-                    self._run_step(worker, batch, pausable=False)
+            batch = worker.scheduler.schedule_urgent(urgent)
+            if batch.seqs:
+                self._run_step(worker, batch)
 
     def _advance(self, worker: ModelWorker, seq: Sequence, token: int) -> None:
         if seq.first_token_time_s is None:

@@ -4,8 +4,8 @@ A step mixes every running sequence's next tokens (one for a decode, a chunk for
 being prefilled) with new prompts, within ``max_num_batched_tokens`` and ``max_num_seqs``.
 New prompts are admitted interactive tenants first, then by smallest virtual token counter
 (weighted fair share across tenants), then oldest first; their cached prefix is reused.
-``schedule_interactive`` builds the step the engine runs for interactive prompts alone while
-batch-priority work is running.
+``schedule_urgent`` builds the step the engine runs for the prompts of tenants ahead of all the
+running work (``TenantLedger.urgent_tenants``), so that their first token need not wait for it.
 When blocks run out a running sequence is preempted (blocks freed, recomputed later) so the
 engine never deadlocks: a tenant at its KV limit only ever preempts its own newest sequence;
 a short pool takes from tenants above their reservation first, newest first.
@@ -67,24 +67,17 @@ class Scheduler:
         self._admit(batch, budget)
         return batch
 
-    def has_interactive_waiting(self) -> bool:
-        return any(self.ledger.is_interactive(s.tenant) for s in self.waiting)
-
-    def runs_batch_priority(self) -> bool:
-        return any(not self.ledger.is_interactive(s.tenant) for s in self.running)
-
-    def schedule_interactive(self) -> Batch:
-        """A step of interactive tenants' waiting prompts alone, never growing or preempting running
-        sequences: the engine runs it ahead of (or in the middle of) a step of batch-priority work."""
+    def schedule_urgent(self, tenants: set[str]) -> Batch:
+        """A step of these tenants' waiting prompts alone, never growing or preempting running
+        sequences: the engine runs it ahead of (or in the middle of) a step of other tenants' work."""
         batch = Batch()
-        self._admit(batch, self.max_num_batched_tokens, interactive_only=True)
+        self._admit(batch, self.max_num_batched_tokens, tenants)
         return batch
 
-    def _admit(self, batch: Batch, budget: int, interactive_only: bool = False) -> None:
+    def _admit(self, batch: Batch, budget: int, only: set[str] | None = None) -> None:
         blocked: set[str] = set()  # tenants that could not get blocks this step
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            candidates = [s for s in self.waiting if s.tenant not in blocked
-                          and (not interactive_only or self.ledger.is_interactive(s.tenant))]
+            candidates = [s for s in self.waiting if s.tenant not in blocked and (only is None or s.tenant in only)]
             if not candidates:
                 return
             seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant), s.arrival_s))

@@ -85,11 +85,21 @@ class TenantLedger:
         if others:
             self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), min(others))
 
-    def has_batch_tenants(self) -> bool:
-        return any(p.priority != "interactive" for p in self.policies.values())
-
-    def is_interactive(self, tenant: str) -> bool:
-        return self.policy(tenant).priority == "interactive"
-
     def admission_key(self, tenant: str):
         return (PRIORITIES.index(self.policy(tenant).priority), self.virtual_tokens.get(tenant, 0.0))
+
+    def urgent_tenants(self, waiting: set[str], running: set[str]) -> set[str]:
+        """Tenants with waiting prompts that go ahead of the running work, in a step of their own:
+        those of a higher priority than every other tenant with running sequences, and those of the
+        same priority that have nothing running and no more than their fair share so far (a tenant
+        already running is being served; its new prompts join the batch)."""
+        keys = {t: self.admission_key(t) for t in waiting | running}
+        urgent = set()
+        for tenant in waiting:
+            others = [keys[t] for t in running if t != tenant]
+            if not others:
+                continue
+            first = min(others)
+            if keys[tenant][0] < first[0] or (tenant not in running and keys[tenant] <= first):
+                urgent.add(tenant)
+        return urgent
