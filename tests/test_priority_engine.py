@@ -91,23 +91,19 @@ def test_interactive_prompt_runs_before_the_next_batch_step(llm, reference):
     assert run.tokens == {p: reference[p] for p in run.tokens}
 
 
-def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, reference):
-    """The chat request arrives while the flood's step is at layer 10 of 30; a flood request is
-    cancelled at the same moment. The chat's first token comes before that step's tokens, the
-    paused step's results are the same as unpaused, and the cancelled request's blocks come back."""
-    run = Run(llm)
-    cancelled = FLOOD_PROMPTS[0]
+def flood_with_arrivals_at_layer_10(llm, run: Run, arrive) -> None:
+    """Flood; once it decodes, mark the log and call ``arrive()`` at layer 10 of every forward
+    pass (on the engine thread, in the middle of a step); waits for everything."""
     armed = threading.Event()
 
     def on_step(engine):
-        if run.flood_is_decoding() and CHAT_PROMPT not in run.tokens and not armed.is_set():
+        if run.flood_is_decoding() and not armed.is_set():
             armed.set()
             run.log.append(("marker", None))
 
     def at_layer_10(module, args, output):
-        if armed.is_set() and CHAT_PROMPT not in run.tokens:
-            run.submit(CHAT_PROMPT, "chat")
-            run.engine.cancel(run.request_ids[cancelled])
+        if armed.is_set():
+            arrive()
 
     hook = llm.model.model.layers[10].register_forward_hook(at_layer_10)
     try:
@@ -118,6 +114,21 @@ def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, referen
         run.finish()
     finally:
         hook.remove()
+
+
+def test_interactive_prompt_runs_between_the_layers_of_a_batch_step(llm, reference):
+    """The chat request arrives while the flood's step is at layer 10 of 30; a flood request is
+    cancelled at the same moment. The chat's first token comes before that step's tokens, the
+    paused step's results are the same as unpaused, and the cancelled request's blocks come back."""
+    run = Run(llm)
+    cancelled = FLOOD_PROMPTS[0]
+
+    def arrive():
+        if CHAT_PROMPT not in run.tokens:
+            run.submit(CHAT_PROMPT, "chat")
+            run.engine.cancel(run.request_ids[cancelled])
+
+    flood_with_arrivals_at_layer_10(llm, run, arrive)
     assert run.after_marker()[0] == CHAT_PROMPT
     assert run.reasons[cancelled] == "abort"
     assert run.tokens[cancelled] == reference[cancelled][:len(run.tokens[cancelled])]
@@ -151,27 +162,13 @@ def test_an_urgent_step_pauses_in_turn_for_a_newer_tenant(llm, reference):
     run = Run(llm)
     run.num_requests += 1
     second = PROMPTS[5]
-    armed = threading.Event()
 
-    def on_step(engine):
-        if run.flood_is_decoding() and not armed.is_set():
-            armed.set()
-            run.log.append(("marker", None))
-
-    def at_layer_10(module, args, output):
-        if armed.is_set() and CHAT_PROMPT not in run.tokens:
+    def arrive():
+        if CHAT_PROMPT not in run.tokens:
             run.submit(CHAT_PROMPT, "chat")
-        elif armed.is_set() and second not in run.tokens:
+        elif second not in run.tokens:
             run.submit(second, "chat2")
 
-    hook = llm.model.model.layers[10].register_forward_hook(at_layer_10)
-    try:
-        run.engine.on_step = on_step
-        run.engine.start()
-        for p in FLOOD_PROMPTS:
-            run.submit(p, "flood")
-        run.finish()
-    finally:
-        hook.remove()
+    flood_with_arrivals_at_layer_10(llm, run, arrive)
     assert run.after_marker()[:3] == [second, CHAT_PROMPT, FLOOD_PROMPTS[0]]
     assert run.tokens == {p: reference[p] for p in run.tokens}
