@@ -33,6 +33,7 @@ TENANTS = [
     {"name": "solo", "api_keys": ["solo-key"], "max_concurrent": 1, "max_queued": 0},
     {"name": "queue", "api_keys": ["queue-key"], "max_concurrent": 1, "max_queued": 1},
     {"name": "ops", "api_keys": ["ops-key"], "admin": True},
+    {"name": "tiny", "api_keys": ["tiny-key"], "kv_limit": "32tok"},
 ]
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}]}
 
@@ -121,6 +122,14 @@ def test_keys_work_in_either_header_and_as_sha256_digests(daemon):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=daemon.url + "/v1", api_key="sha256:" + hashlib.sha256(BOB_KEY.encode()).hexdigest(),
                       max_retries=0).models.list()  # the digest itself is not a key
+
+
+def test_embedding_inputs_count_against_the_tenants_kv_limit(daemon):
+    text = "the river runs to the sea and the sea never fills; " * 4
+    status, body, _ = call(daemon, "POST", "/api/embed", {"model": MODEL, "input": text}, key="tiny-key")
+    assert status == 400 and "tenant 'tiny'" in body["error"] and "kv_limit (32 tokens)" in body["error"]
+    status, body, _ = call(daemon, "POST", "/api/embed", {"model": MODEL, "input": "the river"}, key="tiny-key")
+    assert status == 200 and len(body["embeddings"][0]) == 576
 
 
 def test_a_model_outside_the_allow_list_is_403_and_unlisted(daemon):

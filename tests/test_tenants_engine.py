@@ -6,7 +6,7 @@ import pytest
 
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.kv_cache import kv_bytes_per_block
+from gpushare.engine.kv_cache import KVCacheBusy, kv_bytes_per_block
 from gpushare.engine.tenants import TenantPolicy
 from test_engine import chat_ids
 
@@ -92,6 +92,40 @@ def test_request_beyond_the_tenant_limit_is_refused(llm):
     try:
         with pytest.raises(ValueError, match="kv_limit"):
             engine.submit("m", chat_ids(llm, "Hi"), SamplingParams(max_tokens=64), lambda out: None, tenant="small")
+    finally:
+        engine.shutdown()
+
+
+def test_embedding_inputs_are_charged_to_their_tenant(llm):
+    engine, per_block = make_engine(llm, 40)
+    engine.set_tenants([TenantPolicy("tiny", kv_limit_bytes=2 * per_block), TenantPolicy("calm")])
+    ids = conv_ids(llm, "Summarise: " + "the river runs to the sea and the sea never fills; " * 4)
+    assert len(ids) > 2 * 16
+    charged_during_forward = []
+
+    def record(module, args, output):
+        charged_during_forward.append(dict(engine.ledger.used_bytes))
+
+    hook = llm.model.model.layers[0].register_forward_hook(record)
+    try:
+        with pytest.raises(ValueError, match="kv_limit"):
+            engine.embed("m", [ids], tenant="tiny")
+        (vector,) = engine.embed("m", [ids], tenant="calm").result(timeout=120)
+    finally:
+        hook.remove()
+        engine.shutdown()
+    assert len(vector) == llm.model.config.hidden_size
+    assert charged_during_forward == [{"calm": -(-len(ids) // 16) * per_block}]
+    assert engine.ledger.used_bytes == {"calm": 0}
+
+
+def test_embedding_never_takes_another_tenants_reservation(llm):
+    engine, per_block = make_engine(llm, 10)
+    engine.set_tenants([TenantPolicy("owner", kv_reserved_bytes=10 * per_block), TenantPolicy("other")])
+    try:
+        with pytest.raises(KVCacheBusy, match="no room in the KV cache"):
+            engine.embed("m", [conv_ids(llm, "hello")], tenant="other").result(timeout=120)
+        assert len(engine.embed("m", [conv_ids(llm, "hello")], tenant="owner").result(timeout=120)[0]) > 0
     finally:
         engine.shutdown()
 

@@ -8,9 +8,10 @@ import time
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text
-from gpushare.api.errors import bad_request
+from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.streaming import Timings
 from gpushare.api.tenants import admit
+from gpushare.engine.kv_cache import KVCacheBusy
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
@@ -37,8 +38,10 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
         ticket.charge_tokens(timings.prompt_tokens, timings)
         try:
-            vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists))
+            vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists, ticket.tenant))
         except ValueError as e:
             raise bad_request(str(e)) from None
+        except KVCacheBusy as e:
+            raise ApiError(503, str(e), retry_after_s=1) from None
         timings.end_s = time.monotonic()
         return vectors, timings

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.kv_cache import BlockPool, kv_bytes_per_block
+from gpushare.engine.kv_cache import BlockPool, KVCacheBusy, kv_bytes_per_block
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.request_checks import new_sequence
@@ -186,14 +186,15 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
-    def embed(self, model_name: str, inputs: list[list[int]]) -> Future:
+    def embed(self, model_name: str, inputs: list[list[int]], tenant: str = "default") -> Future:
+        """A future of one vector per input; fails with KVCacheBusy when the KV it needs is held."""
         worker = self.workers.get(model_name)
         if worker is None:
             raise KeyError(f"model {model_name!r} is not loaded")
         future: Future = Future()
         params = SamplingParams(max_tokens=1)
         seqs = [new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, ids, params,
-                             lambda out: None, None, "default") for ids in inputs]
+                             lambda out: None, None, tenant) for ids in inputs]
         self._inbox.put(("embed", model_name, seqs, future))
         return future
 
@@ -387,9 +388,12 @@ class Engine:
         vectors = []
         try:
             for seq in seqs:
-                # Embedding inputs borrow blocks for one forward pass; running requests keep theirs.
-                while pool.grow(seq.block_table, seq.num_tokens) is not None:
-                    victim = worker.scheduler.running[-1]
+                # An input borrows blocks, charged to its tenant, for one forward pass; preemption
+                # for it follows the same rules as for a prompt.
+                while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
+                    victim = worker.scheduler.victim(seq, refused)
+                    if victim is seq:
+                        raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
                     worker.scheduler.preempt(victim)
                 try:
                     vectors.append(worker.runner.embed(seq))

@@ -16,6 +16,10 @@ from gpushare.engine.tenants import TenantLedger
 from gpushare.models.config import ModelConfig
 
 
+class KVCacheBusy(RuntimeError):
+    """The blocks a request needs now are held by requests it may not preempt."""
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 

@@ -57,7 +57,7 @@ class Scheduler:
                 continue
             chunk = min(seq.num_pending, budget)
             while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
-                victim = self._victim(seq, refused, batch)
+                victim = self.victim(seq, refused, batch)
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -96,13 +96,14 @@ class Scheduler:
             batch.add(seq, chunk)
             budget -= chunk
 
-    def _victim(self, seq: Sequence, refused: str, batch: Batch) -> Sequence:
-        """Whom to preempt so ``seq`` can grow; never a sequence already in this step's batch."""
-        scheduled = set(map(id, batch.seqs))
+    def victim(self, seq: Sequence, refused: str, batch: Batch | None = None) -> Sequence:
+        """Whom to preempt so ``seq`` can grow (``seq`` itself when no one else may be); never a
+        sequence already in this step's batch."""
+        scheduled = set(map(id, batch.seqs)) if batch else set()
         later = [s for s in self.running if id(s) not in scheduled]
         if refused == "limit":
             own = [s for s in later if s.tenant == seq.tenant]
-            return own[-1]
+            return own[-1] if own else seq
         pool = self.pool
         over = [s for s in later if pool.tenant_blocks(s.tenant) > pool.reserved_blocks(s.tenant)]
         return over[-1] if over else seq
