@@ -132,6 +132,15 @@ def test_embedding_inputs_count_against_the_tenants_kv_limit(daemon):
     assert status == 200 and len(body["embeddings"][0]) == 576
 
 
+def test_only_an_admin_may_unload_with_keep_alive_0(daemon):
+    for path, body in (("/api/generate", {"model": MODEL, "keep_alive": 0}),
+                       ("/api/chat", {**ollama_chat(), "keep_alive": 0}),
+                       ("/api/embed", {"model": MODEL, "input": "hi", "keep_alive": 0})):
+        status, reply, _ = call(daemon, "POST", path, body, key="alice-key")
+        assert status == 403 and 'tenant "alice" may not unload models' in reply["error"], (path, reply)
+    assert [m["name"] for m in call(daemon, "GET", "/api/ps", key="alice-key")[1]["models"]] == [MODEL]
+
+
 def test_a_model_outside_the_allow_list_is_403_and_unlisted(daemon):
     assert_both_dialects(daemon, "carol-key", 403, "model_not_allowed", 'tenant "carol" may not use model')
     assert call(daemon, "GET", "/api/tags", key="carol-key")[1]["models"] == []

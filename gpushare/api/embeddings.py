@@ -10,13 +10,14 @@ from aiohttp import web
 from gpushare.api.context import context, encode_text
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.streaming import Timings
-from gpushare.api.tenants import admit
+from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.engine.kv_cache import KVCacheBusy
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
                       truncate: bool = True) -> tuple[list[list[float]], Timings]:
     """One vector per input (text, or token ids); no inputs only loads the model."""
+    check_keep_alive(request, keep_alive)
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:

@@ -25,7 +25,7 @@ from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_ob
                                  required_string, string_list)
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
-from gpushare.api.tenants import admit, check_admin, check_model, tenant_rows, visible
+from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, tenant_rows, visible
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
@@ -99,6 +99,7 @@ def parse_messages(body: dict) -> list[dict]:
 
 async def _load_or_unload(request: web.Request, model: str, keep_alive: float | None, extra: dict) -> web.Response:
     check_model(request, model)
+    check_keep_alive(request, keep_alive)
     registry = context(request).registry
     if keep_alive == 0:
         try:
@@ -117,6 +118,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
     """Run one generation; `make_prompt(loaded_model)` -> token ids; `piece(text)` -> the reply part."""
     values, max_tokens, num_ctx = sampling_from_options(body)
     keep_alive = keep_alive_s(body)
+    check_keep_alive(request, keep_alive)
     stream = field(body, "stream", "boolean", True)
     ctx = context(request)
     timings = Timings()
@@ -303,6 +305,7 @@ async def load(request: web.Request) -> web.StreamResponse:
     model = required_string(body, "model")
     check_model(request, model)
     keep_alive = keep_alive_s(body)
+    check_keep_alive(request, keep_alive)
     registry = context(request).registry
     source = registry.find(model)
     name, was = source.name, registry.state(source)

@@ -4,7 +4,7 @@ With no `tenants:` configured every request is the keyless tenant "default", as 
 Otherwise each request but the probes (OPEN_PATHS) carries a tenant's key (`Authorization: Bearer
 KEY` or `x-api-key: KEY`), compared as SHA-256 digests with hmac.compare_digest, or gets a 401.
 A tenant sees and uses only the models its allow-list names, sees only its own /api/ps row
-(an `admin` tenant sees every row), and only an admin may create or delete models.
+(an `admin` tenant sees every row), and only an admin may create, delete or unload models.
 Admission, in this order, answers at once:
 
 - 403 for a model outside the tenant's `models` allow-list (names or fnmatch patterns);
@@ -292,6 +292,12 @@ def check_admin(request: web.Request, action: str) -> None:
     state = tenant_of(request)
     if gate_of(request).enabled and not state.settings.admin:
         raise ApiError(403, f'tenant "{state.name}" may not {action}: it needs admin: true', code="admin_only")
+
+
+def check_keep_alive(request: web.Request, keep_alive_s: float | None) -> None:
+    """keep_alive 0 unloads the model for every tenant, so with tenants only an admin may send it."""
+    if keep_alive_s == 0:
+        check_admin(request, "unload models (keep_alive 0)")
 
 
 def visible(request: web.Request, names) -> list[str]:
