@@ -13,6 +13,7 @@ from daemon_fixture import MODEL, Daemon, http, serving, wait_for
 from gpushare.node.gpu import read_gpus
 
 KEY = "alice-metrics-key"
+ADMIN_KEY = "ops-metrics-key"  # a Prometheus scraper's: /metrics names every tenant
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 4,
         "temperature": 0}
 
@@ -24,7 +25,7 @@ def call(daemon: Daemon, method: str, path: str, body=None, key: str | None = KE
 
 def scrape(daemon: Daemon) -> dict[tuple, float]:
     """{(sample name, sorted labels...): value} of one /metrics scrape."""
-    status, text, headers = call(daemon, "GET", "/metrics", key=None)
+    status, text, headers = call(daemon, "GET", "/metrics", key=ADMIN_KEY)
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     return {(s.name, *sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -37,7 +38,8 @@ def value(samples: dict, name: str, **labels) -> float | None:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
     with serving(tmp_path_factory.mktemp("metrics"), smollm2_path,
-                 {"tenants": [{"name": "alice", "api_keys": [KEY]}]}) as d:
+                 {"tenants": [{"name": "alice", "api_keys": [KEY]},
+                              {"name": "ops", "api_keys": [ADMIN_KEY], "admin": True}]}) as d:
         yield d
 
 
@@ -45,6 +47,13 @@ def test_health_and_ready_answer_json_without_a_key(daemon):
     assert call(daemon, "GET", "/health", key=None)[0] == 200
     status, body, _ = call(daemon, "GET", "/ready", key=None)
     assert status == 200 and body == {"status": "serving"}
+
+
+def test_metrics_need_an_admin_key(daemon):
+    status, body, headers = call(daemon, "GET", "/metrics", key=None)
+    assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer") and "missing API key" in body["error"]
+    status, body, _ = call(daemon, "GET", "/metrics", key=KEY)
+    assert status == 403 and 'tenant "alice" may not read /metrics' in body["error"]
 
 
 def test_gauges_show_a_stream_in_flight(daemon):
@@ -116,7 +125,7 @@ def test_counters_and_histograms_after_traffic(daemon):
 
 
 def test_unloading_a_model_is_counted(daemon):
-    status, _, _ = call(daemon, "POST", "/api/generate", {"model": MODEL, "keep_alive": 0})
+    status, _, _ = call(daemon, "POST", "/api/generate", {"model": MODEL, "keep_alive": 0}, key=ADMIN_KEY)
     assert status == 200
     assert wait_for(lambda: value(scrape(daemon), "gpushare_model_unloads_total", model=MODEL) == 1, 10)
     assert value(scrape(daemon), "gpushare_models_loaded") == 0

@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpushare.api.context import ApiContext, context
-from gpushare.api.tenants import TENANT
+from gpushare.api.tenants import TENANT, check_admin
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.sequence import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
@@ -275,6 +275,7 @@ def record_for_stream(model: str, tenant: str) -> RequestRecord | None:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    check_admin(request, "read /metrics (it shows every tenant's traffic)")
     m = request.app[METRICS]
     m.sample_registry()
     # In a worker thread: NVML calls can take tens of milliseconds.

@@ -4,7 +4,8 @@ With no `tenants:` configured every request is the keyless tenant "default", as 
 Otherwise each request but the probes (OPEN_PATHS) carries a tenant's key (`Authorization: Bearer
 KEY` or `x-api-key: KEY`), compared as SHA-256 digests with hmac.compare_digest, or gets a 401.
 A tenant sees and uses only the models its allow-list names, sees only its own /api/ps row
-(an `admin` tenant sees every row), and only an admin may create, delete or unload models.
+(an `admin` tenant sees every row), and only an admin may create, delete or unload models or
+read /metrics (it names every tenant).
 Admission, in this order, answers at once:
 
 - 403 for a model outside the tenant's `models` allow-list (names or fnmatch patterns);
@@ -44,7 +45,7 @@ from gpushare.config import Settings, TenantSettings
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
-OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready", "/metrics"})  # probes need no key
+OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
 
