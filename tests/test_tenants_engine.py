@@ -158,7 +158,11 @@ def test_reservation_is_available_at_once_while_a_flooder_fills_the_rest(llm):
 
 
 def test_weighted_fair_share_of_computed_tokens(llm):
-    engine, _ = make_engine(llm, 200, max_num_seqs=4, prefix_cache="off")
+    # Every request is queued before the engine starts, so the measured window does not depend on
+    # how the submissions interleave with the first steps.
+    engine = Engine(EngineConfig(max_num_seqs=4, prefix_cache="off"))
+    per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
+    engine.add_model("m", llm.model, 200 * per_block)
     engine.set_tenants([TenantPolicy("light", weight=1), TenantPolicy("heavy", weight=3)])
     window = []
 
@@ -175,6 +179,7 @@ def test_weighted_fair_share_of_computed_tokens(llm):
         for i in range(40):
             reqs.submit(chat_ids(llm, f"Question {i}: name a city."), params, "light")
             reqs.submit(chat_ids(llm, f"Question {i}: name a river."), params, "heavy")
+        engine.start()
         reqs.wait()
     finally:
         engine.shutdown()
