@@ -336,8 +336,10 @@ class Engine:
         """Waiting prompts of tenants ahead of all running work get a step of their own. That step
         may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
         workers = list(self.workers.values())
-        urgent = self.ledger.urgent_tenants({s.tenant for w in workers for s in w.scheduler.waiting},
-                                            {s.tenant for w in workers for s in w.scheduler.running})
+        waiting = {s.tenant for w in workers for s in w.scheduler.waiting}
+        if not waiting:  # the usual case in a busy loop: nothing to weigh
+            return
+        urgent = self.ledger.urgent_tenants(waiting, {s.tenant for w in workers for s in w.scheduler.running})
         if not urgent:
             return
         for worker in workers:

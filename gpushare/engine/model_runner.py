@@ -91,12 +91,6 @@ class ModelRunner:
         tokens = sample(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs])
         return list(zip(seqs, tokens))
 
-    def step(self, batch: Batch) -> list[tuple]:
-        """Compute one whole step (see ``complete``)."""
-        step = self.begin(batch)
-        self.advance(step)
-        return self.complete(step)
-
     def hidden_states(self, seqs, chunks):
         """Run the model at once; returns the final hidden states and each sequence's last row index."""
         input_ids, positions, attention, last_rows = self._inputs(seqs, chunks)
