@@ -11,7 +11,7 @@
     ``generate`` at the same batch sizes when transformers is importable;
 (e) the int8 / int4 weight-only matmul kernels: correctness against the torch path, whether a
     row's result is bit-identical alone and inside a batch, a sweep of tile candidates for
-    decode batches, and time at M = 1, 16, 64 beside a bf16 ``F.linear`` on the same weight.
+    decode batches, and time at M = 1, 16, 64 (and 512) beside a bf16 ``F.linear`` on the same weight.
 Each part is guarded, so one failure still reports the others; lines go to stdout and are
 appended to ``--out`` as they come, so a run cut short still leaves what it measured.
 Needs torch and triton with a CUDA device; no network. Meant to finish in under 5 minutes.
@@ -54,11 +54,12 @@ ENGINE_CONCURRENCY = [1, 16, 64]
 GEN_TOKENS = 128
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Quantized matmul: (M, N, K, group_size) checked in every dtype; weights [N, K] timed (Llama-3-8B's
-# attention output, MLP up and MLP down) at decode batches; tile candidates
+# attention output, MLP up and MLP down) at decode batches and one prefill batch; tile candidates
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) swept for each decode BLOCK_M on the first weight.
 QUANT_CHECKS = [(1, 1000, 1536, 32), (7, 1000, 576, 32), (64, 1000, 1536, 128), (300, 1000, 4096, 128)]
 QUANT_WEIGHTS = [(4096, 4096), (14336, 4096), (4096, 14336)]
 QUANT_BATCHES = [1, 16, 64]
+QUANT_PREFILL_BATCH = 512  # timed only: says whether prefill should rather dequantise and call cuBLAS
 QUANT_TIME_GROUP = 32  # GGUF Q4_0/Q4_1 group size: what the loader makes of Ollama's usual files
 QUANT_TILE_CANDIDATES = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3)]
 
@@ -367,7 +368,7 @@ def part_quant_matmul(report, results):
     for n, k in QUANT_WEIGHTS:
         int8, int4 = quant_weights(n, k, QUANT_TIME_GROUP, gen)
         dense = ref_ops.dequantize_int8(*int8, torch.bfloat16)
-        for m in QUANT_BATCHES:
+        for m in [*QUANT_BATCHES, QUANT_PREFILL_BATCH]:
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
             cells = []
             for name, fn, args in (("bf16", torch.nn.functional.linear, (dense,)),

@@ -25,8 +25,8 @@ gpu_check verifies that bit for bit.
 
 int4: a tile's bytes hold even k in low nibbles and odd k in high nibbles, so the x tile
 is split into its even and odd columns (one contiguous load, split in registers) and two
-dots are accumulated. Scales and mins are gathered per byte column (``k // group_size``);
-repeated addresses are served by L1, the weight bytes come from DRAM once.
+dots are accumulated. The weight tile is dequantised as [groups in the tile, bytes per group,
+BLOCK_N], so each group's scale and min is loaded once per column and broadcast.
 """
 
 import torch
@@ -104,33 +104,39 @@ def _int4_matmul_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     HALF_K: tl.constexpr = BLOCK_K // 2
+    # A tile starts at a multiple of BLOCK_K and holds TILE_GROUPS groups (one when it is
+    # narrower than a group, which then holds it whole): both are powers of two.
+    TILE_GROUPS: tl.constexpr = (BLOCK_K + GROUP_SIZE - 1) // GROUP_SIZE
+    SPAN: tl.constexpr = HALF_K // TILE_GROUPS  # bytes of one row per group in the tile
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    js = tl.arange(0, HALF_K)  # byte columns: k = 2j (low nibble) and 2j + 1 (high nibble)
+    groups = tl.arange(0, TILE_GROUPS)[:, None, None]
+    cols3 = cols[None, None, :]
+    byte_cols = groups * SPAN + tl.arange(0, SPAN)[None, :, None]  # k = 2j (low nibble), 2j + 1 (high)
     row_ok = rows < M
-    col_ok = cols < N
+    col_ok = cols3 < N
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + js[:, None]  # [HALF_K, BLOCK_N]
-    # Tiles start at multiples of BLOCK_K and groups at multiples of GROUP_SIZE (both powers
-    # of two), so byte column j of the tile at k0 is in group k0 // GROUP_SIZE + 2j // GROUP_SIZE.
-    group_offs = cols[None, :].to(tl.int64) * stride_sn + (2 * js[:, None]) // GROUP_SIZE
+    # The weight tile is [TILE_GROUPS, SPAN, BLOCK_N] so that its scales and mins load as
+    # [TILE_GROUPS, 1, BLOCK_N] and broadcast, rather than one load per weight byte.
+    w_ptrs = w_ptr + cols3.to(tl.int64) * stride_wn + byte_cols
+    group_offs = cols3.to(tl.int64) * stride_sn + groups
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None] & (ks[None, :] < K - k0), other=0.0)
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF_K, 2)))
-        w_mask = (2 * js[:, None] < K - k0) & col_ok[None, :]
-        packed = tl.load(w_ptrs, mask=w_mask, other=0)
-        scales = tl.load(scales_ptr + group_offs + k0 // GROUP_SIZE, mask=w_mask, other=0.0)
-        mins = tl.load(mins_ptr + group_offs + k0 // GROUP_SIZE, mask=w_mask, other=0.0)
-        low = (packed & 0xF).to(tl.float32) * scales + mins
-        high = (packed >> 4).to(tl.float32) * scales + mins
-        acc = _dot(acc, x_even, low.to(x.dtype), UPCAST, PRECISION)
-        acc = _dot(acc, x_odd, high.to(x.dtype), UPCAST, PRECISION)
+        packed = tl.load(w_ptrs, mask=(2 * byte_cols < K - k0) & col_ok, other=0)
+        group_mask = (groups * GROUP_SIZE < K - k0) & col_ok
+        scales = tl.load(scales_ptr + group_offs + k0 // GROUP_SIZE, mask=group_mask, other=0.0)
+        mins = tl.load(mins_ptr + group_offs + k0 // GROUP_SIZE, mask=group_mask, other=0.0)
+        low = ((packed & 0xF).to(tl.float32) * scales + mins).to(x.dtype)
+        high = ((packed >> 4).to(tl.float32) * scales + mins).to(x.dtype)
+        acc = _dot(acc, x_even, tl.reshape(low, (HALF_K, BLOCK_N)), UPCAST, PRECISION)
+        acc = _dot(acc, x_odd, tl.reshape(high, (HALF_K, BLOCK_N)), UPCAST, PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += HALF_K
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=row_ok[:, None] & (cols[None, :] < N))
 
 
 def _launch(kernel, x, n, weight_args, **constexprs):
@@ -167,7 +173,8 @@ def int4_weight_matmul(x, qweight, scales, mins, group_size):
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     assert x.shape[-1] == k and scales.shape == mins.shape == (n, k // group_size), \
         (x.shape, qweight.shape, scales.shape, mins.shape, group_size)
-    assert group_size >= 2 and group_size & (group_size - 1) == 0, "group_size must be a power of two"
+    assert group_size >= 2 and group_size & (group_size - 1) == 0 and k % group_size == 0, \
+        f"group_size {group_size} must be a power of two dividing K = {k}"
     assert qweight.stride(-1) == 1 and scales.stride() == mins.stride() and scales.stride(-1) == 1
     return _launch(_int4_matmul_kernel, x, n, (qweight, scales, mins, qweight.stride(0), scales.stride(0)),
                    GROUP_SIZE=group_size)
