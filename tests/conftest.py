@@ -19,6 +19,21 @@ def smollm2_gguf_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), SMOLLM2_FILE)
 
 
+@pytest.fixture
+def nan_allocations(monkeypatch):
+    """Every float tensor made by torch.empty / torch.empty_like starts as NaN (kernel tests:
+    an output element a kernel leaves unwritten shows up as NaN)."""
+    import torch
+
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(tensor):
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     return smollm2_gguf_path()

@@ -29,18 +29,6 @@ LAYOUTS = [pytest.param(16, 64, id="bs16-d64"), pytest.param(32, 128, id="bs32-d
 GROUPS = [pytest.param(g, id=f"gqa{g}") for g in (1, 3, 8)]
 
 
-@pytest.fixture
-def nan_allocations(monkeypatch):
-    """Every float tensor made by torch.empty / torch.empty_like starts as NaN."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(tensor):
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poisoned(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poisoned(real_empty_like(*a, **kw)))
-
-
 def ragged_lengths(gen, count, block_size, low, high):
     """``count`` lengths in [low, high], none a multiple of the block size."""
     lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
