@@ -4,7 +4,20 @@ PIP := .venv/bin/pip
 # CPU machines take the CPU wheel; GPU users: make setup TORCH_SPEC=torch (CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve test test-all bench
+# The default suite, as CI runs it; test-repeat runs this very command.
+TEST_CMD := TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+# `make test-repeat 3`: the word after the goal is the number of runs (a no-op target, not a file).
+ifeq (test-repeat,$(firstword $(MAKECMDGOALS)))
+REPEAT_ARG := $(word 2,$(MAKECMDGOALS))
+ifneq ($(REPEAT_ARG),)
+N := $(REPEAT_ARG)
+$(eval $(REPEAT_ARG):;@:)
+endif
+endif
+N ?= 5
+
+.PHONY: setup serve test test-all test-repeat bench
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -25,7 +38,14 @@ serve: setup
 	.venv/bin/gpushare serve
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	$(TEST_CMD)
+
+# The default suite N times in a row (default 5), stopping at the first failure and naming its run.
+test-repeat: setup
+	@start=$$(date +%s); for i in $$(seq 1 $(N)); do \
+		echo "== test-repeat: run $$i of $(N)"; \
+		$(TEST_CMD) || { echo "test-repeat: run $$i of $(N) FAILED"; exit 1; }; \
+	done; echo "test-repeat: $(N) green runs in a row in $$(( ($$(date +%s) - start + 59) / 60 )) min"
 
 test-all: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m ''

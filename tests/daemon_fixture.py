@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Iterator
 
@@ -133,6 +134,23 @@ def serving(tmp: Path, model_path: str, overrides: dict | None = None, while_loa
         yield daemon
     finally:
         daemon.stop()
+
+
+def long_stream(daemon: Daemon, key: str | None = None, wait_for_first_token: bool = True) -> HTTPConnection:
+    """A streamed /v1/completions that runs until the caller closes it. Its length is guaranteed, not
+    left to the model: greedy with `ignore_eos` for 2,000 tokens (minutes on a CPU, and more than any
+    test holds it on a GPU), so no early end of sequence can finish it. With `wait_for_first_token`,
+    its first token has been read: it is running, not queued."""
+    conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "temperature": 0, "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {key}"} if key else {})
+    if wait_for_first_token:
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        while not (line := resp.readline()).startswith(b"data: "):
+            assert line, "the stream ended before its first token"
+    return conn
 
 
 def wait_for(predicate, timeout_s: float = 10, interval_s: float = 0.1):

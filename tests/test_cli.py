@@ -150,17 +150,43 @@ def test_create_and_rm(daemon, host_env, smollm2_path, capsys):
     assert "defined in the config file" in capsys.readouterr().err
 
 
-def test_sigterm_drains_then_ends_open_streams_with_an_error(daemon):
-    """Last: stops the module's daemon. A stream open at SIGTERM runs on for drain_timeout (2 s),
-    then ends with an error object; the daemon exits 0."""
-    conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=60)
-    body = {"model": MODEL, "prompt": "Write a very long story.", "options": {"num_predict": 500}}
-    conn.request("POST", "/api/generate", json.dumps(body))
+# Greedy, the model ends its answer to this after a few tokens ("No." and the end of sequence).
+EARLY_END = {"model": MODEL, "messages": [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}],
+             "temperature": 0, "max_tokens": 2000, "stream": True}
+
+
+def sse_events(port: int, body: dict):
+    """POST a streamed /v1/chat/completions; its JSON events, read as they come, up to `data: [DONE]`."""
+    conn = HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body))
     resp = conn.getresponse()
-    assert json.loads(resp.readline())["done"] is False
+    assert resp.status == 200, resp.read()
+    for line in resp:
+        if line.startswith(b"data: "):
+            if line.strip() == b"data: [DONE]":
+                return
+            yield json.loads(line[len(b"data: "):])
+
+
+def test_sigterm_drains_then_ends_open_streams_with_an_error(daemon):
+    """Last: stops the module's daemon. A stream that ended before SIGTERM ended normally; one open at
+    SIGTERM runs on for drain_timeout (2 s), then ends with an error object; the daemon exits 0.
+
+    The open stream's length is guaranteed, not left to the model: the same greedy prompt that ends
+    after a few tokens on its own (the first stream) runs with `ignore_eos` up to 2,000 tokens, far
+    past the drain on any device. (A sampled "long story" once ended early, before the signal.)"""
+    port = int(daemon.host.split(":")[1])
+    ended = list(sse_events(port, EARLY_END))
+    assert ended[-1]["choices"][0]["finish_reason"] == "stop" and len(ended) < 10  # the model ended it early
+
+    stream = sse_events(port, {**EARLY_END, "ignore_eos": True})
+    while not next(stream)["choices"][0]["delta"].get("content"):  # the first token: generating
+        pass
     daemon.proc.send_signal(signal.SIGTERM)
-    lines = [json.loads(line) for line in resp if line.strip()]
-    assert len(lines) > 1 and all(not line.get("done") for line in lines)  # it kept streaming while draining
-    assert "error" in lines[-1] and "cancelled" in lines[-1]["error"]
+    rest = list(stream)
+    pieces, last = rest[:-1], rest[-1]
+    assert pieces and all(e["choices"][0]["finish_reason"] is None for e in pieces)  # streamed while draining
+    assert "error" in last, f"the stream ended before the drain did: {last}"
+    assert "cancelled" in last["error"]["message"] and last["error"]["type"] == "server_error"
     assert daemon.proc.wait(30) == 0
     assert "draining requests" in daemon.log() and "stopped" in daemon.log()

@@ -176,7 +176,7 @@ def test_a_stalled_engine_loop_stops_the_watchdog_pings(service):
     service.stall_file.touch()
     answers = []
     request = threading.Thread(target=lambda: answers.append(call(service, "POST", "/api/generate", {
-        "model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 3}}, key=BOB)))
+        "model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 3, "temperature": 0}}, key=BOB)))
     request.start()
     try:
         # /health fails once the loop has been silent for max(WATCHDOG_USEC, 2 s).
@@ -199,6 +199,7 @@ def test_a_stalled_engine_loop_stops_the_watchdog_pings(service):
 
 def test_sighup_applies_a_tenant_limit_and_a_new_model_while_a_stream_runs(service):
     sock = service.notify
+    service.stall_file.touch()  # the stream stops after its first token until the reload has begun
     conn, resp = service.stream(ALICE, 40)
     chunks: list[tuple[float, dict]] = []  # (arrival, chunk), read as they come
     reader = threading.Thread(target=lambda: chunks.extend((time.monotonic(), c) for c in _chunks(resp)))
@@ -209,7 +210,6 @@ def test_sighup_applies_a_tenant_limit_and_a_new_model_while_a_stream_runs(servi
 
     service.rewrite_config({"tenants": tenants(2), "models": [
         {"name": MODEL, "path": service.model_path, "preload": True}, {"name": COPY, "path": service.model_path}]})
-    service.stall_file.touch()  # hold the stream mid-generation until the reload has begun
     mark = len(sock.messages)
     service.daemon.proc.send_signal(signal.SIGHUP)
     try:
@@ -261,8 +261,8 @@ def test_a_broken_config_is_rejected_whole_and_the_old_one_keeps_serving(service
 def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(service):
     """Last: stops the module's daemon."""
     sock = service.notify
+    service.stall_file.touch()  # the stream stops after its first token while we look at the draining daemon
     conn, resp = service.stream(ALICE, 20)
-    service.stall_file.touch()  # hold the stream in flight while we look at the draining daemon
     mark = len(sock.messages)
     service.daemon.proc.send_signal(signal.SIGTERM)
     sock.wait("STOPPING", mark, value="1")

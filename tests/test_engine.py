@@ -23,16 +23,17 @@ def greedy(n=32):
 
 
 def small_engine(llm, num_blocks, **config):
-    """A second engine over the already-loaded weights, with a pool of ``num_blocks`` blocks."""
+    """A second engine over the already-loaded weights, with a pool of ``num_blocks`` blocks; not
+    started (``run_all`` starts it once every request is queued)."""
     engine = Engine(EngineConfig(**config))
     per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
     engine.add_model("m", llm.model, num_blocks * per_block)
-    engine.start()
     return engine
 
 
 def run_all(engine, token_lists, params):
-    """Submit everything at once; returns each request's (token_ids, finish_reason, streamed texts)."""
+    """Queue everything, then start the engine, so its first step sees every request whatever the
+    threads' timing; returns each request's (token_ids, finish_reason, streamed texts, error)."""
     results = {}
     done = threading.Event()
 
@@ -50,6 +51,7 @@ def run_all(engine, token_lists, params):
 
     for i, tokens in enumerate(token_lists):
         engine.submit("m", tokens, params, collector(i))
+    engine.start()
     assert done.wait(300), "engine did not finish"
     return [results[i] for i in range(len(token_lists))]
 
@@ -96,6 +98,7 @@ def test_chunked_prefill_keeps_greedy_outputs(llm, reference):
 
 def test_cancel_frees_blocks_and_ends_stream(llm):
     engine = small_engine(llm, num_blocks=64)
+    engine.start()
     try:
         seen = []
         finished = threading.Event()

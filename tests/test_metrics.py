@@ -3,13 +3,10 @@ traffic, read the way Prometheus reads them: prometheus-client's own text parser
 
 from __future__ import annotations
 
-import json
-from http.client import HTTPConnection
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_fixture import MODEL, Daemon, http, serving, wait_for
+from daemon_fixture import MODEL, Daemon, http, long_stream, serving, wait_for
 from gpushare.node.gpu import read_gpus
 
 KEY = "alice-metrics-key"
@@ -57,11 +54,7 @@ def test_metrics_need_an_admin_key(daemon):
 
 
 def test_gauges_show_a_stream_in_flight(daemon):
-    conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
-    body = {"model": MODEL, "prompt": "Count from one to one hundred.", "options": {"num_predict": 40}}
-    conn.request("POST", "/api/generate", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
-    resp = conn.getresponse()
-    assert json.loads(resp.readline())["done"] is False
+    conn = long_stream(daemon, KEY)  # cannot end on its own before the scrape
     m = scrape(daemon)
     conn.close()  # the client leaves mid-stream: counted as cancelled below
     assert value(m, "gpushare_running_sequences", model=MODEL) + value(m, "gpushare_queue_depth", model=MODEL) == 1
@@ -82,7 +75,7 @@ def test_counters_and_histograms_after_traffic(daemon):
         prompt += usage["prompt_tokens"]
         generated += usage["completion_tokens"]
     status, reply, _ = call(daemon, "POST", "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
-                                                              "options": {"num_predict": 3}})
+                                                              "options": {"num_predict": 3, "temperature": 0}})
     assert status == 200
     prompt += reply["prompt_eval_count"]
     generated += reply["eval_count"]

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 import urllib.error
 
@@ -82,8 +83,12 @@ def expected_ids(oracle, prompt: str, params: SamplingParams) -> list[int]:
     return oracle.chat(messages(prompt), params)[0].token_ids
 
 
-async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, started: asyncio.Event | None = None):
-    """One request as the API makes it: a lease, then the engine stream. Returns (token ids, lease)."""
+async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, started: asyncio.Event | None = None,
+               hold: asyncio.Event | None = None):
+    """One request as the API makes it: a lease, then the engine stream. Returns (token ids, lease).
+    `started` is set at the first output; with `hold`, the lease is kept after the stream ended until
+    `hold` is set, so the model stays busy to the registry for exactly as long as a test needs (no
+    hoping that a request outlives what happens meanwhile)."""
     async with reg.use(name) as lease:
         model = lease.model
         prompt_ids = model.tokenizer.encode(model.render_chat(messages(prompt)), add_special_tokens=False)
@@ -94,7 +99,17 @@ async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, st
                 ids += out.token_ids
                 if started is not None:
                     started.set()
+        if hold is not None:
+            await hold.wait()
         return ids, lease
+
+
+async def until(predicate, timeout_s: float = 60) -> None:
+    """Let the event loop run until predicate() holds (registry state changes only on this loop)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
 
 
 class BudgetWatch:
@@ -138,26 +153,31 @@ def test_three_models_alternate_under_a_budget_for_two(engine, folders, oracles,
             assert {e.name for e in reg.loaded()} == set(recent), turn
 
         # A busy model is never evicted, even as the least recently used: TINY runs a long
-        # request, COPY is used after it, so loading SMOL must evict COPY.
+        # request (held busy until released), COPY is used after it, so loading SMOL must evict COPY.
         assert {e.name for e in reg.loaded()} == {COPY, TINY}
-        started = asyncio.Event()
-        long_run = asyncio.create_task(chat(reg, TINY, PROMPTS[0], long_params, started))
+        started, release_tiny = asyncio.Event(), asyncio.Event()
+        long_run = asyncio.create_task(chat(reg, TINY, PROMPTS[0], long_params, started, release_tiny))
         await started.wait()
         assert (await chat(reg, COPY, PROMPTS[1], greedy))[0] == expected[COPY, PROMPTS[1]]
         assert reg.get_loaded(TINY).last_used < reg.get_loaded(COPY).last_used
         assert (await chat(reg, SMOL, PROMPTS[1], greedy))[0] == expected[SMOL, PROMPTS[1]]
-        assert not long_run.done(), "the long request should still run: make it longer"
         assert {e.name for e in reg.loaded()} == {TINY, SMOL}
 
         # Both loaded models busy: a request for the third waits (no error, no overcommit)
         # until one of them is idle, then evicts that one.
-        smol_run = asyncio.create_task(chat(reg, SMOL, PROMPTS[0], greedy))
-        await asyncio.sleep(0.01)
+        smol_started, release_smol = asyncio.Event(), asyncio.Event()
+        smol_run = asyncio.create_task(chat(reg, SMOL, PROMPTS[0], greedy, smol_started, release_smol))
+        await smol_started.wait()
         assert all(e.active for e in reg.loaded())
         copy_started = asyncio.Event()
         copy_run = asyncio.create_task(chat(reg, COPY, PROMPTS[0], greedy, copy_started))
+        await until(lambda: [j.source.name for j in reg.loading()] == [COPY])  # it waits for room
+        assert {e.name for e in reg.loaded()} == {TINY, SMOL} and not copy_started.is_set()
+        release_smol.set()
         await copy_started.wait()
-        assert smol_run.done() or long_run.done()  # it loaded only once one of them was idle
+        assert smol_run.done() and not long_run.done()  # it loaded once SMOL was idle, evicting SMOL
+        assert {e.name for e in reg.loaded()} == {TINY, COPY}
+        release_tiny.set()
         assert (await copy_run)[0] == expected[COPY, PROMPTS[0]]
         assert (await smol_run)[0] == expected[SMOL, PROMPTS[0]]
         assert (await long_run)[0] == expected_long
@@ -175,9 +195,23 @@ def test_three_models_alternate_under_a_budget_for_two(engine, folders, oracles,
 
 
 def test_two_busy_models_share_engine_steps(engine, folders, tmp_path):
-    """Steady load on two models: each gets at least 40% of the engine's steps (stats deltas over 40+ steps)."""
+    """Steady load on two models: of the engine steps taken while both had work (40 or more, counted
+    by the engine's step hook), each model gets at least 40%."""
     reg = make_registry(engine, {COPY: folders[COPY], TINY: folders[TINY]}, 4 << 30, tmp_path)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    shared_steps = {COPY: 0, TINY: 0}  # steps each model took while the other had work too
+    last = {"steps": {COPY: 0, TINY: 0}, "both_busy": False}
+    enough = threading.Event()
+
+    def count(eng):  # the engine thread, after every step
+        steps = {n: eng.workers[n].steps if n in eng.workers else 0 for n in shared_steps}
+        if last["both_busy"]:  # both had work when this step's model was picked
+            for n in shared_steps:
+                shared_steps[n] += steps[n] - last["steps"][n]
+        last["steps"] = steps
+        last["both_busy"] = all(eng.has_work(n) for n in shared_steps)
+        if sum(shared_steps.values()) >= 40:
+            enough.set()
 
     async def client(name: str, stop: asyncio.Event):
         while not stop.is_set():
@@ -186,23 +220,19 @@ def test_two_busy_models_share_engine_steps(engine, folders, tmp_path):
     async def main():
         await reg.load(COPY)
         await reg.load(TINY)
+        engine.on_step = count
         stop = asyncio.Event()
         clients = [asyncio.create_task(client(name, stop)) for name in (COPY, TINY) for _ in range(2)]
-        await asyncio.sleep(0.5)  # both under load
-        before = engine.stats().models
-        deadline = time.monotonic() + 120
-        while sum(engine.stats().models[n].steps - before[n].steps for n in (COPY, TINY)) < 40:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        after = engine.stats().models
+        assert await asyncio.to_thread(enough.wait, 120), shared_steps
         stop.set()
         await asyncio.gather(*clients)
+        engine.on_step = None
         await reg.close()
-        return {name: after[name].steps - before[name].steps for name in (COPY, TINY)}
+        return dict(shared_steps)
 
     steps = asyncio.run(main())
     total = sum(steps.values())
-    print(f"engine steps under steady load on both: {steps}")
+    print(f"engine steps while both models had work: {steps}")
     assert all(n >= 0.4 * total for n in steps.values()), steps
 
 
@@ -221,8 +251,8 @@ def test_a_corrupt_file_fails_clearly_while_another_model_streams(engine, folder
     long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
-        started = asyncio.Event()
-        streaming = asyncio.create_task(chat(reg, TINY, PROMPTS[1], long_params, started))
+        started, release = asyncio.Event(), asyncio.Event()
+        streaming = asyncio.create_task(chat(reg, TINY, PROMPTS[1], long_params, started, release))
         await started.wait()
         used = reg.used_bytes()
         with pytest.raises(ModelLoadError, match=r'failed to load model "broken-gguf": .*broken.gguf: corrupt or '
@@ -233,9 +263,9 @@ def test_a_corrupt_file_fails_clearly_while_another_model_streams(engine, folder
         with pytest.raises(ModelLoadError, match=r'failed to load model "smollm2:135m": not enough memory: it '
                                                  r"needs \d+ bytes"):
             await reg.load(SMOL)
-        assert not streaming.done(), "the stream should outlive the failed loads: make it longer"
         assert reg.used_bytes() == used and {e.name for e in reg.loaded()} == {TINY}  # nothing left behind
         assert set(engine.stats().models) == {TINY}
+        release.set()
         ids, _ = await streaming
         await reg.close()
         return ids
@@ -267,8 +297,8 @@ def test_pinned_weight_and_live_settings(engine, folders, tmp_path):
             assert reg.get_loaded("third") is lease.entry
             with pytest.raises(ModelNotFound):
                 reg.find("third")
-        await asyncio.sleep(0.05)
-        assert {e.name for e in reg.loaded()} == {"pinned"}  # unpinned by the new config: its timer runs
+        await until(lambda: {e.name for e in reg.loaded()} == {"pinned"})  # "third" retired once its request ended
+        # "pinned" is no longer pinned by the new config: its keep_alive timer runs
         assert reg.get_loaded("pinned").expires_at is not None
         await reg.close()
 

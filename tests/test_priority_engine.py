@@ -54,6 +54,13 @@ class Run:
         self.request_ids[prompt] = self.engine.submit("m", chat_ids(self.llm, prompt), greedy(24), on_output,
                                                       tenant=tenant)
 
+    def start_flood(self) -> None:
+        """Queue the flood, then start the engine: its first step prefills the whole flood together,
+        whatever the test thread's timing. Later arrivals come from the engine thread (hooks)."""
+        for p in FLOOD_PROMPTS:
+            self.submit(p, "flood")
+        self.engine.start()
+
     def flood_is_decoding(self) -> bool:
         return all(len(self.tokens.get(p, [])) >= 2 for p in FLOOD_PROMPTS)
 
@@ -78,9 +85,7 @@ def chat_arrives_between_flood_steps(run: Run) -> None:
             run.submit(CHAT_PROMPT, run.chat_tenant)
 
     run.engine.on_step = on_step
-    run.engine.start()
-    for p in FLOOD_PROMPTS:
-        run.submit(p, "flood")
+    run.start_flood()
     run.finish()
 
 
@@ -108,9 +113,7 @@ def flood_with_arrivals_at_layer_10(llm, run: Run, arrive) -> None:
     hook = llm.model.model.layers[10].register_forward_hook(at_layer_10)
     try:
         run.engine.on_step = on_step
-        run.engine.start()
-        for p in FLOOD_PROMPTS:
-            run.submit(p, "flood")
+        run.start_flood()
         run.finish()
     finally:
         hook.remove()

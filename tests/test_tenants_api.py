@@ -10,12 +10,11 @@ import asyncio
 import hashlib
 import json
 import time
-from http.client import HTTPConnection
 
 import ollama
 import openai
 import pytest
-from daemon_fixture import MODEL, http, serving, wait_for
+from daemon_fixture import MODEL, http, long_stream, serving, wait_for
 
 from gpushare import cli
 from gpushare.api.context import ApiContext
@@ -61,15 +60,11 @@ def daemon(tmp_path_factory, smollm2_path):
 
 
 class HeldRequest:
-    """A long streamed generation of `key`'s tenant, kept running (or queued) until closed."""
+    """A long streamed generation of `key`'s tenant (daemon_fixture.long_stream: it cannot end on its
+    own while a test holds it), kept running (or queued) until closed."""
 
     def __init__(self, daemon, key: str, wait_for_first_chunk: bool = True):
-        self.conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
-        body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "options": {"num_predict": 2000}}
-        self.conn.request("POST", "/api/generate", json.dumps(body), {"Authorization": f"Bearer {key}"})
-        if wait_for_first_chunk:
-            resp = self.conn.getresponse()
-            assert resp.status == 200 and json.loads(resp.readline())["done"] is False
+        self.conn = long_stream(daemon, key, wait_for_first_chunk)
 
     def close(self) -> None:
         self.conn.sock.shutdown(2)

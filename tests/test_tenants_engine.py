@@ -15,11 +15,14 @@ SYSTEM = ("You are a meticulous assistant for a shipping company. Answer questio
           "Never invent tracking numbers; if one is missing, ask for it. Quote prices in euros. ") * 2
 
 
-def make_engine(llm, num_blocks, **config):
+def make_engine(llm, num_blocks, start=True, **config):
+    """An engine over the session's weights; ``start=False`` leaves it stopped, so that requests can
+    be queued first and its first step sees them all, whatever the threads' timing."""
     engine = Engine(EngineConfig(**config))
     per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
     engine.add_model("m", llm.model, num_blocks * per_block)
-    engine.start()
+    if start:
+        engine.start()
     return engine, per_block
 
 
@@ -61,7 +64,7 @@ def conv_ids(llm, question, system=None):
 
 def test_flooding_tenant_never_exceeds_its_kv_limit(llm):
     limit_blocks = 10
-    engine, per_block = make_engine(llm, 40)
+    engine, per_block = make_engine(llm, 40, start=False)
     engine.set_tenants([TenantPolicy("flood", kv_limit_bytes=limit_blocks * per_block), TenantPolicy("calm")])
     peaks = []
 
@@ -77,6 +80,7 @@ def test_flooding_tenant_never_exceeds_its_kv_limit(llm):
             reqs.submit(chat_ids(llm, f"Write a story number {i} about a fox."),
                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "flood")
         reqs.submit(chat_ids(llm, "Hello!"), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "calm")
+        engine.start()
         results = reqs.wait()
         assert engine.stats().models["m"].blocks_used == 0
         assert engine.stats().models["m"].preemptions > 0  # the flooder waited on itself
@@ -132,25 +136,28 @@ def test_embedding_never_takes_another_tenants_reservation(llm):
 
 def test_reservation_is_available_at_once_while_a_flooder_fills_the_rest(llm):
     reserved_blocks = 6
-    engine, per_block = make_engine(llm, 30, max_num_seqs=16)
+    engine, per_block = make_engine(llm, 30, start=False, max_num_seqs=16)
     engine.set_tenants([TenantPolicy("vip", kv_reserved_bytes=reserved_blocks * per_block), TenantPolicy("flood")])
     flood_waiting_when_vip_ran = []
+    reqs = Requests(engine)
+    vip, vip_sent = chat_ids(llm, "Hi"), []
 
     def watch(eng):
         sched = eng.workers["m"].scheduler
         if any(s.tenant == "vip" for s in sched.running) and not flood_waiting_when_vip_ran:
             flood_waiting_when_vip_ran.append(sum(s.tenant == "flood" for s in sched.waiting))
         assert sched.pool.tenant_blocks("flood") <= 30 - reserved_blocks
+        # The vip arrives (from the engine thread, between two steps) once the flood has filled
+        # the rest of the pool and has requests waiting.
+        if sched.waiting and not vip_sent:
+            vip_sent.append(reqs.submit(vip, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "vip"))
 
     engine.on_step = watch
     try:
-        reqs = Requests(engine)
         for i in range(12):
             reqs.submit(chat_ids(llm, f"Write a long essay number {i} about rivers."),
                         SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), "flood")
-        while engine.tenant_stats().get("flood") is None or engine.tenant_stats()["flood"].waiting == 0:
-            threading.Event().wait(0.05)
-        reqs.submit(chat_ids(llm, "Hi"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "vip")
+        engine.start()
         reqs.wait()
     finally:
         engine.shutdown()
