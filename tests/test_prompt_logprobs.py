@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gpushare import LLM, SamplingParams
+from gpushare.engine.kv_cache import kv_bytes_per_block
 
 TEXT = ("Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
         "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
@@ -61,6 +62,20 @@ def test_prompt_logprobs_over_several_chunks(chunked_llm, prompt_ids, expected):
     outs = chunked_llm.generate([first, prompt_ids], params())
     assert len(prompt_ids) > 3 * 16
     assert_matches(outs[0].prompt_logprobs, first, expected)
+    assert_matches(outs[1].prompt_logprobs, prompt_ids, expected)
+
+
+def test_prompt_logprobs_survive_preemption(llm, smollm2_path, prompt_ids, expected):
+    # Six 16-token blocks: a 32-token prompt generating 48 tokens (5 blocks at the end) leaves too
+    # little for the long prompt (4 blocks), which is preempted mid-prefill and recomputed later.
+    per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+    tight = LLM(smollm2_path, dtype="float32", num_threads=2, max_num_batched_tokens=16, kv_cache_bytes=6 * per_block)
+    try:
+        outs = tight.generate([prompt_ids[-32:], prompt_ids],
+                              [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), params()])
+        assert tight.engine.stats().models[tight.model_name].preemptions > 0
+    finally:
+        tight.shutdown()
     assert_matches(outs[1].prompt_logprobs, prompt_ids, expected)
 
 
