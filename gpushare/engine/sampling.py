@@ -115,7 +115,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: int) -> lis
     rows = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(targets, device=rows.device)
     chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
-    top_ids, top_values = ([[]] * len(targets),) * 2
+    top_ids = top_values = [()] * len(targets)  # no others when top_k is 0
     if top_k:
         top = torch.topk(rows, top_k, dim=-1)
         top_ids, top_values = top.indices.tolist(), top.values.tolist()
