@@ -16,6 +16,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     prompt_token_ids: list[int]
+    # With SamplingParams(prompt_logprobs=k): one entry per prompt position, the first None, each
+    # other {token_id: logprob} for the prompt token and the k most likely ones (vLLM's shape).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -68,13 +71,16 @@ class LLM:
         ids = []
 
         def collector(index):
-            texts, tokens = [], []
+            texts, tokens, prompt_logprobs = [], [], []
 
             def on_output(out):
                 texts.append(out.text)
                 tokens.extend(out.token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs.append(out.prompt_logprobs)
                 if out.finished:
-                    results[index] = (out, "".join(texts), list(tokens))
+                    first = prompt_logprobs[0] if prompt_logprobs else None
+                    results[index] = (out, "".join(texts), list(tokens), first)
                     done.release()
             return on_output
 
@@ -88,8 +94,8 @@ class LLM:
         for _ in ids:
             done.acquire()
         outputs = []
-        for tokens, (out, text, new_ids) in zip(token_lists, results):
+        for tokens, (out, text, new_ids, prompt_logprobs) in zip(token_lists, results):
             if out.finish_reason == "error":
                 raise RuntimeError(out.error)
-            outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens))
+            outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens, prompt_logprobs))
         return outputs

@@ -372,8 +372,10 @@ class Engine:
         self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error))
 
     def _output(self, seq, new_ids, finished, reason, error=None) -> RequestOutput:
+        first_token = bool(new_ids) and len(seq.output_ids) == 1
         return RequestOutput(seq.request_id, releasable_text(seq, finished), new_ids, finished, reason, error,
-                             len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s)
+                             len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s,
+                             seq.prompt_logprobs if first_token else None)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         try:

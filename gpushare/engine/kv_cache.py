@@ -144,10 +144,11 @@ class BlockPool:
     def match_prefix(self, seq) -> int:
         """Reuse cached blocks for ``seq``'s leading full prompt blocks; returns tokens reused.
 
-        The last prompt token is always computed, since its logits pick the first new token.
+        The last prompt token is always computed, since its logits pick the first new token. A
+        sequence that asked for prompt logprobs computes its whole prompt: each row scores a token.
         """
         scope = self._scope(seq.tenant)
-        if scope is None or seq.num_computed or seq.block_table:
+        if scope is None or seq.num_computed or seq.block_table or seq.prompt_logprobs is not None:
             return 0
         tokens = seq.all_ids
         reused, key = 0, b""

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from gpushare.engine.kv_cache import BlockPool, allocate_kv_tensors
-from gpushare.engine.sampling import sample
+from gpushare.engine.sampling import prompt_logprobs, sample
 from gpushare.engine.scheduler import Batch
 from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.loader import LoadedModel
+
+PROMPT_LOGITS_ROWS = 256  # prompt rows per lm_head call: bounds the [rows, vocab] float32 logits of a long chunk
 
 
 def _padded(tables: list[list[int]], device) -> torch.Tensor:
@@ -80,7 +82,9 @@ class ModelRunner:
         """Finish an advanced step; returns ``(seq, token)`` for every sequence whose chunk ended its input."""
         batch = step.batch
         hidden = self.loaded.model.finish(step.forward)
-        for seq, chunk in zip(batch.seqs, batch.chunks):
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            if seq.prompt_logprobs is not None:
+                self._record_prompt_logprobs(seq, hidden, step.last_rows[i] - chunk + 1, chunk)
             seq.num_computed += chunk
         ready = [i for i, seq in enumerate(batch.seqs) if seq.num_pending == 0]
         if not ready:
@@ -90,6 +94,18 @@ class ModelRunner:
         seqs = [batch.seqs[i] for i in ready]
         tokens = sample(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs])
         return list(zip(seqs, tokens))
+
+    def _record_prompt_logprobs(self, seq, hidden, first_row: int, chunk: int) -> None:
+        """Extend ``seq.prompt_logprobs`` from this chunk's rows (``hidden[first_row:first_row + chunk]``):
+        the row of position p scores prompt token p + 1. Entries a recomputation (after preemption)
+        meets again are kept, not recomputed."""
+        start, prompt = seq.num_computed, seq.prompt_ids
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        last = min(start + chunk, len(prompt) - 1)
+        for p in range(first, last, PROMPT_LOGITS_ROWS):
+            q = min(p + PROMPT_LOGITS_ROWS, last)
+            logits = self.loaded.model.logits(hidden[first_row + p - start:first_row + q - start])
+            seq.prompt_logprobs.extend(prompt_logprobs(logits, prompt[p + 1:q + 1], seq.params.prompt_logprobs))
 
     def hidden_states(self, seqs, chunks):
         """Run the model at once; returns the final hidden states and each sequence's last row index."""

@@ -41,6 +41,8 @@ def new_sequence(loaded: LoadedModel, pool: BlockPool, ledger: TenantLedger, mod
                          f"than tenant {tenant!r}'s kv_limit ({limit // pool.bytes_per_token} tokens)")
     seq = Sequence(request_id or uuid.uuid4().hex, model_name, list(prompt_ids), params, on_output, tenant,
                    max_tokens=max_tokens)
+    if params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
     if params.seed is not None:
         seq.generator = torch.Generator().manual_seed(params.seed)
     return seq

@@ -1,8 +1,10 @@
-"""SamplingParams and the batched sampler: penalties, temperature, top-k/top-p/min-p, seeds."""
+"""SamplingParams, the batched sampler (penalties, temperature, top-k/top-p/min-p, seeds), prompt logprobs."""
 
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_PROMPT_LOGPROBS = 20
 
 
 @dataclass
@@ -19,6 +21,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob plus the top k
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -43,6 +46,9 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -101,3 +107,21 @@ def sample(logits: torch.Tensor, rows: list) -> list[int]:
         probs = _filter(row, params)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
     return tokens
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: int) -> list[dict[int, float]]:
+    """One dict per row of ``logits``: the target token's logprob plus the ``top_k`` most likely
+    tokens' (vLLM's shape). Logprobs are the log_softmax of the float32 logits."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(targets, device=rows.device)
+    chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
+    top_ids = top_values = [()] * len(targets)  # no others when top_k is 0
+    if top_k:
+        top = torch.topk(rows, top_k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    out = []
+    for token, logprob, others, values in zip(targets, chosen, top_ids, top_values):
+        entry = {token: logprob}
+        entry.update((t, v) for t, v in zip(others, values) if t != token)
+        out.append(entry)
+    return out

@@ -28,6 +28,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_time_s: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     generator: torch.Generator | None = None
     first_token_time_s: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as prefill chunks run, when asked for
     # Incremental detokenisation state (see Detokenizer in engine.py).
     text: str = ""
     emitted_chars: int = 0
