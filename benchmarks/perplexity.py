@@ -14,7 +14,6 @@ timings are printed.
 
 import argparse
 import gc
-import inspect
 import math
 import os
 import re
@@ -54,11 +53,7 @@ def load(model: str, weights: str, dtype: str | None, threads: int):
     from gpushare import LLM
 
     kwargs = {"num_threads": threads} | ({"dtype": dtype} if dtype else {})
-    if "weights" in inspect.signature(LLM).parameters:
-        return LLM(model, weights=weights, **kwargs)
-    if weights == "float32":  # before LLM took weights=, float32 weights came with dtype="float32"
-        return LLM(model, **(kwargs | {"dtype": "float32"}))
-    raise ValueError("this gpushare's LLM() has no weights= keyword")
+    return LLM(model, weights=weights, **kwargs)
 
 
 def llama_cpp_perplexity(model: str, size: int, threads: int) -> tuple[int, float] | str:

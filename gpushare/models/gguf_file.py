@@ -1,12 +1,15 @@
-"""Read a GGUF file: metadata, and tensors dequantised to float32 under Hugging Face names."""
+"""Read a GGUF file: metadata, and tensors under Hugging Face names, dequantised to float32 or
+converted one by one into the model's weight format (gpushare.models.weight_format)."""
 
 import os
 
 import numpy as np
 import torch
 
+from gpushare.models import weight_format
 from gpushare.models.dequant import dequantize
 from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.models.quantized import int4_from_gguf, permute_rows
 
 GGUF_MAGIC = b"GGUF"
 
@@ -55,19 +58,42 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation (it interleaves each head's rotary halves into pairs)."""
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's Q/K permutation (it interleaves each head's rotary halves into pairs)."""
+    return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None) -> dict:
-    """Dequantise every known tensor to float32, in numpy (row-major, HF) shape order.
+def _dense(tensor, shape: list[int]) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
+    weights = dequantize(tensor.data, tensor.tensor_type.name, shape)
+    if weights is None:
+        weights = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape))
+    return weights
+
+
+def _convert(tensor, name: str, shape: list[int], weights: str):
+    """One tensor in the model's format: float32, or quantized straight from its blocks where they
+    map exactly (Q4_0/Q4_1 -> int4), else through a float32 copy of this tensor alone."""
+    target = weight_format.target_of(name, weights)
+    if target is None:
+        return _dense(tensor, shape)
+    if target == "int4":
+        exact = int4_from_gguf(tensor.data, tensor.tensor_type.name, shape)
+        if exact is not None:
+            return exact
+    return weight_format.quantize(name, _dense(tensor, shape), target)
+
+
+def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,
+                 weights: str = "float32") -> dict:
+    """Every known tensor, in numpy (row-major, HF) shape order: float32, or for ``weights`` int8 /
+    int4 the linear weights quantized as they are read (gpushare.models.weight_format).
 
     ``progress(done_bytes, total_bytes)``, when given, is called after each tensor.
     """
-    from gguf import GGMLQuantizationType, quants
-
     total = sum(int(t.n_bytes) for t in tensors)
     done, state = 0, {}
     for tensor in tensors:
@@ -76,19 +102,13 @@ def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, pe
             continue
         shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists dims fastest-first
         try:
-            if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                weights = torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
-            else:
-                weights = dequantize(tensor.data, tensor.tensor_type.name, shape)
-                if weights is None:
-                    weights = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape))
+            value = _convert(tensor, name, shape, weights)
         except Exception as e:
             raise GGUFError(f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
-        if permuted_qk and name.endswith("q_proj.weight"):
-            weights = _unpermute(weights, num_heads)
-        elif permuted_qk and name.endswith("k_proj.weight"):
-            weights = _unpermute(weights, num_kv_heads)
-        state[name] = weights.contiguous()
+        if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
+            value = permute_rows(value, _unpermute_order(shape[0], heads))
+        state[name] = value.contiguous() if isinstance(value, torch.Tensor) else value
         done += int(tensor.n_bytes)
         if progress is not None:
             progress(done, total)

@@ -14,6 +14,8 @@ from torch import nn
 
 from gpushare import kernels
 from gpushare.models.config import ModelConfig
+from gpushare.models.linear import Embedding, Linear, linear_bytes
+from gpushare.models.quantized import stack_rows
 
 
 @dataclass
@@ -36,33 +38,6 @@ class ForwardState:
     sin: torch.Tensor
     batch: AttentionBatch
     next_layer: int = 0
-
-
-class Linear(nn.Module):
-    """A linear layer that can hand its weight to oneDNN in a pre-reordered layout.
-
-    On CPU in float32, oneDNN with a packed weight is 1.1x to 2x faster than torch's default
-    (MKL) for this model's shapes, with identical results; ``pack_for_onednn`` switches to it.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed = None
-
-    def forward(self, x):
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def pack_for_onednn(model: nn.Module) -> None:
-    """Move every Linear's weight into oneDNN's layout (CPU, float32); the dense copy is dropped."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed = module.weight.detach().to_mkldnn()
-            module.weight = None
 
 
 class RMSNorm(nn.Module):
@@ -169,7 +144,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -185,7 +160,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def start(self, input_ids, positions, batch: AttentionBatch) -> "ForwardState":
         """A forward pass ready to run its first layer."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids, self.norm.weight.dtype)
         cos_sin = self.rope[positions].to(x.dtype)
         return ForwardState(x, cos_sin[:, 0, None, :], cos_sin[:, 1, None, :], batch)
 
@@ -214,7 +189,7 @@ class LlamaModel(nn.Module):
 
 
 def fuse_hf_state_dict(state: dict, config: ModelConfig) -> dict:
-    """Map Hugging Face parameter names onto this module, fusing q/k/v and gate/up."""
+    """Map Hugging Face parameter names onto this module, fusing q/k/v and gate/up (dense or quantized)."""
     out = {}
     for name, tensor in state.items():
         key = name.removeprefix("model.")
@@ -230,15 +205,22 @@ def fuse_hf_state_dict(state: dict, config: ModelConfig) -> dict:
         for suffix in ("weight", "bias"):
             parts = [state.get(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"]
             if all(t is not None for t in parts):
-                out[f"layers.{i}.self_attn.qkv_proj.{suffix}"] = torch.cat(parts)
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                out[f"layers.{i}.self_attn.qkv_proj.{suffix}"] = stack_rows(parts)
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = stack_rows(
             [state[f"{p}.mlp.gate_proj.weight"], state[f"{p}.mlp.up_proj.weight"]])
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 
 
-def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: str) -> LlamaModel:
+def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: str,
+                weight_dtype: torch.dtype | None = None) -> LlamaModel:
+    """The model on ``device`` from Hugging Face-named weights.
+
+    Activations, norms and embeddings run in ``dtype``. A linear weight given quantized
+    (``gpushare.models.quantized``) stays so; a dense one is cast to ``weight_dtype`` (default
+    ``dtype``). A quantized lm_head tied to the embedding serves both: lookups dequantize rows.
+    """
     with torch.device("meta"):
         model = LlamaModel(config)
     fused = fuse_hf_state_dict(state, config)
@@ -250,21 +232,35 @@ def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: st
     if unexpected:
         raise ValueError(f"unexpected weights {sorted(unexpected)[:5]}")
     tied = fused["lm_head.weight"] is fused["embed_tokens.weight"]
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, assign=True)
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        weight = fused.pop(f"{name}.weight")
+        if isinstance(weight, torch.Tensor):
+            module.set_dense(weight.to(device=device, dtype=weight_dtype or dtype))
+        else:
+            module.set_quantized(weight, device)
+        if module.bias is not None:
+            module.bias = nn.Parameter(fused.pop(f"{name}.bias").to(device=device, dtype=dtype), requires_grad=False)
+    embedding = fused.pop("embed_tokens.weight")
+    if tied and model.lm_head.format.startswith("int8"):
+        model.embed_tokens.row_lookup = model.lm_head.dequantized_rows
+        model.embed_tokens.weight = None
+    elif tied and model.lm_head.format == "dense" and model.lm_head.weight.dtype == dtype:
+        model.embed_tokens.weight = model.lm_head.weight
+    else:
+        dense = embedding if isinstance(embedding, torch.Tensor) else embedding.dequantize()
+        model.embed_tokens.weight = nn.Parameter(dense.to(device=device, dtype=dtype), requires_grad=False)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, strict=False, assign=True)
     model.rope = rope_table(config, state.get("rope_freqs")).to(device)
-    if device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        pack_for_onednn(model)
     return model.eval()
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy, shared tensors once, packed copies included."""
+    """Bytes the model's weights occupy as stored: dense, packed and quantized forms, shared tensors once."""
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
-    packed = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-    return total + sum(t.numel() * t.element_size() for t in packed)
+    return total + sum(linear_bytes(m) for m in model.modules() if isinstance(m, Linear) and m.format != "dense")

@@ -12,6 +12,7 @@ from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
 from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+from gpushare.models.weight_format import DENSE_FORMATS, quantize, resolve_weights, target_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Chat models end a turn with one of these even when the metadata names another EOS.
@@ -29,6 +30,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: str
     metadata: dict = field(default_factory=dict)
+    weights: str = "float32"  # the weight format it was built in (gpushare.models.weight_format)
     _template: object = None
 
     @property
@@ -60,20 +62,29 @@ def _stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
     return ids
 
 
-def read_gguf(path: str, progress=None):
-    """Parse a GGUF into (config, float32 state dict, tokenizer, template, stop ids, metadata)."""
+def read_gguf(path: str, progress=None, weights: str = "float32", device: str = "cpu"):
+    """Parse a GGUF into (config, state dict, tokenizer, template, stop ids, info): float32 tensors, or
+    for ``weights`` int8/int4/auto the linear weights quantized as they are read; ``info["weights"]``
+    names the format."""
     meta, tensors = open_gguf(path)
     config = config_from_gguf(meta)
+    weights = resolve_weights(weights, device, _matrix_types(tensors))
     state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
-                         progress=progress)
+                         progress=progress, weights=weights)
     config.tie_word_embeddings = "lm_head.weight" not in state
     tokenizer = tokenizer_from_gguf(meta)
     stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
-    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, _gguf_info(meta, config)
+    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, _gguf_info(meta, config, weights)
 
 
-def _gguf_info(meta: dict, config: ModelConfig) -> dict:
+def _matrix_types(tensors) -> set[str]:
+    """GGUF type names of the file's matrices: what ``auto`` weights are chosen from."""
+    return {t.tensor_type.name for t in tensors if len(t.shape) == 2}
+
+
+def _gguf_info(meta: dict, config: ModelConfig, weights: str | None = None) -> dict:
     return {
+        "weights": weights,
         "format": "gguf",
         "family": config.arch,
         "parameter_size": meta.get("general.size_label"),
@@ -83,8 +94,8 @@ def _gguf_info(meta: dict, config: ModelConfig) -> dict:
     }
 
 
-def _hf_info(path: str, raw: dict, config: ModelConfig) -> dict:
-    return {"format": "safetensors", "family": config.arch, "parameter_size": None,
+def _hf_info(path: str, raw: dict, config: ModelConfig, weights: str | None = None) -> dict:
+    return {"weights": weights, "format": "safetensors", "family": config.arch, "parameter_size": None,
             "quantization_level": str(raw.get("torch_dtype", "float32")).upper(), "name": os.path.basename(path)}
 
 
@@ -99,14 +110,17 @@ def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
         tok_cfg = os.path.join(path, "tokenizer_config.json")
         template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
         return config, template, _hf_info(path, raw, config)
-    meta, _ = open_gguf(path)
+    meta, tensors = open_gguf(path)
     config = config_from_gguf(meta)
-    return config, meta.get("tokenizer.chat_template"), _gguf_info(meta, config)
+    info = _gguf_info(meta, config)
+    info["source_types"] = _matrix_types(tensors)
+    return config, meta.get("tokenizer.chat_template"), info
 
 
-def read_hf_dir(path: str, progress=None):
-    """Parse a Hugging Face folder: config.json, *.safetensors (sharded too), tokenizer files."""
-    from safetensors.torch import load_file
+def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str = "cpu"):
+    """Parse a Hugging Face folder: config.json, *.safetensors (sharded too), tokenizer files; tensors
+    as ``read_gguf`` gives them, each converted as soon as it is read."""
+    from safetensors import safe_open
 
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -116,12 +130,17 @@ def read_hf_dir(path: str, progress=None):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
+    weights = resolve_weights(weights, device, set())  # safetensors folders hold dense weights
     state = {}
     total = sum(os.path.getsize(f) for f in files)
     done = 0
     for f in files:
         try:
-            state.update({k: v.float() for k, v in load_file(f).items()})
+            with safe_open(f, "pt") as tensors:
+                for name in tensors.keys():
+                    dense = tensors.get_tensor(name).float()
+                    target = target_of(name, weights)
+                    state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
             raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
         done += os.path.getsize(f)
@@ -134,21 +153,22 @@ def read_hf_dir(path: str, progress=None):
         template = open(template_file).read()
     eos = raw.get("eos_token_id")
     stop = _stop_ids(tokenizer, eos if isinstance(eos, list) else [eos])
-    return config, state, tokenizer, template, stop, _hf_info(path, raw, config)
+    return config, state, tokenizer, template, stop, _hf_info(path, raw, config, weights)
 
 
-def load_model(path: str, dtype="float32", device: str = "cpu", progress=None) -> LoadedModel:
+def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, weights: str = "auto") -> LoadedModel:
     """Load a model for serving; raises FileNotFoundError / ValueError naming the problem.
 
-    ``progress(done_bytes, total_bytes)`` reports reading and dequantising (the slow part).
+    ``dtype``: activations and KV cache; ``weights``: the weight format (weight_format.WEIGHT_FORMATS).
+    ``progress(done_bytes, total_bytes)`` reports reading and converting (the slow part).
     """
     torch_dtype = resolve_dtype(dtype)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
-    config, state, tokenizer, template, stop, info = reader(path, progress)
-    model = build_model(config, state, torch_dtype, device)
-    return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info)
+    config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
+    model = build_model(config, state, torch_dtype, device, DENSE_FORMATS.get(info["weights"]))
+    return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"])
 
 
 def _file_type_name(file_type) -> str | None:

@@ -1,0 +1,68 @@
+"""The weight format of a model (``engine.weights`` / ``models[].weights``): what ``auto`` means on
+each device, and what becomes of each tensor as the file is read.
+
+- ``float32``, ``bfloat16``, ``float16``: dense linear weights in that dtype (activations keep
+  ``engine.dtype``); ``float32`` weights with ``float32`` activations are the exact path the
+  oracle tests compare against transformers.
+- ``int8``: every linear per output channel in int8, lm_head and embedding included (one
+  tied copy serves both); a GGUF's 4- or 8-bit blocks are dequantized one tensor at a time and
+  requantized, so no float32 copy of the whole model ever exists.
+- ``int4``: the layers' linears in 4-bit groups of 32 (GGUF Q4_0/Q4_1 blocks convert exactly);
+  lm_head and embedding in int8, since the output projection is where 4 bits cost the most
+  quality and int8 keeps it within noise (docs/benchmarks.md, perplexity).
+
+``auto``: on the CPU int8 for quantized sources where it measures faster than float32 on this
+CPU (cpu_kernels; float32 otherwise), float32 for dense ones; on CUDA int4 for 4-bit sources,
+int8 for other quantized ones, bfloat16 for dense ones.
+"""
+
+import logging
+
+import torch
+
+from gpushare.models.cpu_kernels import quantized_cpu_weights
+from gpushare.models.quantized import INT4_GROUP_SIZE, quantize_int4, quantize_int8
+
+log = logging.getLogger("gpushare.models")
+
+WEIGHT_FORMATS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")
+DENSE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DENSE_GGUF_TYPES = {"F32", "F16", "BF16"}
+_OUTPUT_MATRICES = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def resolve_weights(setting: str, device: str, source_types: set[str]) -> str:
+    """The concrete format for a model whose linear weights are stored as ``source_types``
+    (GGUF type names, or torch dtype names for safetensors)."""
+    if setting not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights format {setting!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    if setting != "auto":
+        return setting
+    quantized = bool(source_types - _DENSE_GGUF_TYPES - {"float32", "bfloat16", "float16"})
+    if not device.startswith("cuda"):
+        return quantized_cpu_weights() if quantized else "float32"
+    if quantized and all(t.startswith(("Q4", "IQ4")) for t in source_types - _DENSE_GGUF_TYPES):
+        return "int4"
+    return "int8" if quantized else "bfloat16"
+
+
+def target_of(name: str, weights: str) -> str | None:
+    """What the tensor ``name`` (Hugging Face naming) becomes: "int8", "int4", or None (dense)."""
+    if weights not in ("int8", "int4"):
+        return None
+    if name in _OUTPUT_MATRICES:
+        return "int8"
+    if name.endswith("_proj.weight"):
+        return weights
+    return None
+
+
+def quantize(name: str, dense: torch.Tensor, target: str):
+    """``dense`` in the ``target`` format; int4 falls back to int8 (with a logged reason) for a
+    matrix whose input size is not a multiple of the group size."""
+    if target == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
+        return quantize_int4(dense)
+    if target == "int4":
+        log.warning("%s: input size %d is not a multiple of %d: stored as int8 instead of int4",
+                    name, dense.shape[1], INT4_GROUP_SIZE)
+    return quantize_int8(dense)
