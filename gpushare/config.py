@@ -28,6 +28,7 @@ DEFAULT_MODELS_DIR = "~/.local/share/gpushare/models"
 BUNDLED_MODEL_NAME = "smollm2:135m"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -47,11 +48,13 @@ class ModelEntry:
     preload: bool = False  # load at daemon start
     pinned: bool = False  # never evicted nor unloaded (implies preload)
     weight: float = 1.0  # share of engine steps against other busy models
+    weights: str | None = None  # weight format; None: engine.weights
 
 
 @dataclass
 class EngineSettings:
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # activations and KV; auto: bfloat16 on CUDA, float32 on CPU
+    weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -108,7 +111,7 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
     for i, item in enumerate(raw):
         key = f"models[{i}]"
         d = expect_mapping(item, key)
-        reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight"}, key + ".")
+        reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights"}, key + ".")
         for required in ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
@@ -129,7 +132,9 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
         weight = d.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise ConfigError(f"{key}.weight: must be a positive number, got {weight!r}")
-        entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight), **flags))
+        weights = choice(d["weights"], WEIGHTS, f"{key}.weights") if "weights" in d else None
+        entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight),
+                                  weights=weights, **flags))
     return entries
 
 
@@ -139,6 +144,8 @@ def _read_engine(raw: Any) -> EngineSettings:
     e = EngineSettings()
     if "dtype" in d:
         e.dtype = choice(d["dtype"], DTYPES, "engine.dtype")
+    if "weights" in d:
+        e.weights = choice(d["weights"], WEIGHTS, "engine.weights")
     if "device" in d:
         e.device = choice(d["device"], DEVICES, "engine.device")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_threads"):

@@ -150,7 +150,8 @@ async def drain(runner: web.AppRunner, ctx: ApiContext, force: asyncio.Event) ->
 async def serve(settings: Settings) -> None:
     device = resolve_device(settings.engine.device)
     dtype = resolve_dtype(settings.engine.dtype, device)
-    log.info("engine on %s (%s); models: %s; models_dir: %s", device, dtype,
+    log.info("engine on %s (%s activations, %s weights); models: %s; models_dir: %s", device, dtype,
+             settings.engine.weights,
              ", ".join(m.name for m in settings.models) or "none configured", settings.models_dir)
     engine = start_engine(settings, device)
     install_test_stall(engine)

@@ -43,7 +43,18 @@ def smollm2_path() -> str:
 def llm(smollm2_path):
     from gpushare import LLM
 
-    model = LLM(smollm2_path, dtype="float32", num_threads=2)
+    model = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2)  # the exact path
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served_llm(smollm2_path):
+    """The offline API with the daemon's default weights ("auto": int8 for this GGUF on the CPU), to
+    compare answers over HTTP with."""
+    from gpushare import LLM
+
+    model = LLM(smollm2_path, num_threads=2)
     yield model
     model.shutdown()
 

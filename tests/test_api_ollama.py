@@ -21,7 +21,8 @@ GREEDY = {"temperature": 0, "num_predict": 10}
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path, request):
     # The offline oracle loads while the daemon loads its copy.
-    with serving(tmp_path_factory.mktemp("ollama"), smollm2_path, while_loading=lambda: request.getfixturevalue("llm")) as d:
+    with serving(tmp_path_factory.mktemp("ollama"), smollm2_path,
+                 while_loading=lambda: request.getfixturevalue("served_llm")) as d:
         yield d
 
 
@@ -38,9 +39,9 @@ def test_root_and_version(daemon):
     assert status == 200 and body["version"]
 
 
-def test_raw_generate_equals_offline_llm(client, llm):
+def test_raw_generate_equals_offline_llm(client, served_llm):
     prompt = "The capital of France is"
-    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10))[0]
+    expected = served_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10))[0]
     r = client.generate(MODEL, prompt, raw=True, options=GREEDY, stream=False)
     assert r.response == expected.text
     assert r.done and r.done_reason == expected.finish_reason
@@ -49,9 +50,9 @@ def test_raw_generate_equals_offline_llm(client, llm):
     assert r.total_duration >= r.eval_duration > 0 and r.prompt_eval_duration > 0 and r.load_duration == 0
 
 
-def test_chat_equals_offline_llm_streamed_or_not(client, llm):
+def test_chat_equals_offline_llm_streamed_or_not(client, served_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0]
+    expected = served_llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0]
     whole = client.chat(MODEL, messages=messages, options=GREEDY, stream=False)
     assert whole.message.role == "assistant" and whole.message.content == expected.text
     chunks = list(client.chat(MODEL, messages=messages, options=GREEDY, stream=True))
@@ -61,8 +62,8 @@ def test_chat_equals_offline_llm_streamed_or_not(client, llm):
     assert final.done_reason == expected.finish_reason and final.eval_count == len(expected.token_ids)
 
 
-def test_generate_applies_system_and_chat_template(client, llm):
-    expected = llm.chat([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}],
+def test_generate_applies_system_and_chat_template(client, served_llm):
+    expected = served_llm.chat([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}],
                         SamplingParams(temperature=0, max_tokens=8))[0]
     chunks = list(client.generate(MODEL, "Hello", system="Answer in French.", stream=True,
                                   options={"temperature": 0, "num_predict": 8}))
@@ -91,21 +92,31 @@ def test_tags_lists_the_model(client, smollm2_path):
     assert m.details.format == "gguf" and m.details.family == "llama"
 
 
-def test_show(client):
+def test_show(client, daemon, served_llm):
     r = client.show(MODEL)
     assert r.details.family == "llama" and r.details.parameter_size == "135M"
     assert r.details.quantization_level == "Q4_1"
     assert r.modelinfo["llama.context_length"] == 8192 and r.modelinfo["general.architecture"] == "llama"
     assert "<|im_start|>" in r.template
     assert "completion" in r.capabilities
+    status, body, _ = http("POST", daemon.url + "/api/show", {"model": MODEL}, headers={"Content-Type": "application/json"})
+    assert status == 200 and body["weights"] == served_llm.model.weights  # "auto": int8 where it is faster here
 
 
-def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon):
+def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon, served_llm):
     (m,) = client.ps().models
     assert m.model == MODEL and m.context_length == 8192 and m.size > 0 and m.size_vram == 0
     raw = daemon.loaded()[MODEL]
     assert raw["kv_blocks_total"] > 0 and raw["kv_blocks_used"] == 0
     assert raw["running"] == 0 and raw["queued"] == 0
+    # size is what it holds: its weights as stored (int8: a quarter of float32's) plus its KV pool
+    assert raw["weights"] == served_llm.model.weights
+    kv_pool_bytes = m.size - served_llm.model.weight_bytes  # the pool's budget: whole blocks and a remainder
+    assert 0 <= kv_pool_bytes - raw["kv_blocks_total"] * kv_block_bytes(raw) < kv_block_bytes(raw)
+
+
+def kv_block_bytes(ps_row: dict) -> int:
+    return 2 * 30 * 3 * 64 * 4 * ps_row["kv_block_size"]  # k and v, 30 layers, 3 KV heads of 64, float32
 
 
 def test_embed(client, daemon):

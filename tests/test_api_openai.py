@@ -18,7 +18,7 @@ from gpushare import SamplingParams
 def daemon(tmp_path_factory, smollm2_path, request):
     with serving(tmp_path_factory.mktemp("openai"), smollm2_path,
                  {"engine": {"max_num_seqs": 2}, "server": {"max_queued": 1}},
-                 while_loading=lambda: request.getfixturevalue("llm")) as d:
+                 while_loading=lambda: request.getfixturevalue("served_llm")) as d:
         yield d
 
 
@@ -30,8 +30,8 @@ def client(daemon):
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_chat_completion_equals_offline_llm(client, llm):
-    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10))[0]
+def test_chat_completion_equals_offline_llm(client, served_llm):
+    expected = served_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10))[0]
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=10)
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.message.content == expected.text
@@ -42,8 +42,8 @@ def test_chat_completion_equals_offline_llm(client, llm):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_chat_completion_stream_with_usage(client, llm):
-    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10))[0]
+def test_chat_completion_stream_with_usage(client, served_llm):
+    expected = served_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10))[0]
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
                                                  max_completion_tokens=10, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -56,9 +56,9 @@ def test_chat_completion_stream_with_usage(client, llm):
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_completion_equals_offline_llm_streamed_or_not(client, llm):
+def test_completion_equals_offline_llm_streamed_or_not(client, served_llm):
     prompt = "The capital of France is"
-    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
+    expected = served_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0]
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
     assert r.choices[0].text == expected.text and r.choices[0].finish_reason == expected.finish_reason
     assert r.object == "text_completion" and r.usage.completion_tokens == len(expected.token_ids)
@@ -66,9 +66,9 @@ def test_completion_equals_offline_llm_streamed_or_not(client, llm):
     assert "".join(c.choices[0].text for c in chunks) == expected.text
 
 
-def test_completion_takes_token_ids_and_vllm_extras(client, llm):
-    ids = llm.tokenizer.encode("Once upon a time", add_special_tokens=True)
-    expected = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+def test_completion_takes_token_ids_and_vllm_extras(client, served_llm):
+    ids = served_llm.tokenizer.encode("Once upon a time", add_special_tokens=True)
+    expected = served_llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     r = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=6,
                                   extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05})
     assert r.choices[0].text == expected.text and r.usage.completion_tokens == 6

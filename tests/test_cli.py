@@ -81,15 +81,15 @@ def test_show(daemon, host_env, capsys):
     assert 'model "nope" not found' in capsys.readouterr().err
 
 
-def test_run_with_a_prompt_answers_as_the_offline_llm(daemon, llm):
-    expected = llm.chat([{"role": "user", "content": "Say hello"}], SamplingParams(temperature=0, max_tokens=8))[0]
+def test_run_with_a_prompt_answers_as_the_offline_llm(daemon, served_llm):
+    expected = served_llm.chat([{"role": "user", "content": "Say hello"}], SamplingParams(temperature=0, max_tokens=8))[0]
     r = gpushare(daemon, "run", MODEL, "Say", "hello", "--temperature", "0", "--max-tokens", "8")
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected.text + "\n"
 
 
-def test_run_reads_piped_stdin(daemon, llm):
-    expected = llm.chat([{"role": "user", "content": "Summarise:\n\nThe cat sat on the mat.\n"}],
+def test_run_reads_piped_stdin(daemon, served_llm):
+    expected = served_llm.chat([{"role": "user", "content": "Summarise:\n\nThe cat sat on the mat.\n"}],
                         SamplingParams(temperature=0, max_tokens=8))[0]
     r = gpushare(daemon, "run", MODEL, "Summarise:", "--temperature", "0", "--max-tokens", "8",
                  input_text="The cat sat on the mat.\n")

@@ -48,7 +48,7 @@ def test_random_llama_matches_transformers(smollm2_path, tmp_path):
 
 
 def test_bfloat16_runs_on_cpu_and_agrees_on_the_first_token(llm, smollm2_path):
-    bf16 = load_model(smollm2_path, dtype="bfloat16")
+    bf16 = load_model(smollm2_path, dtype="bfloat16", weights="bfloat16")
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     assert bf16.weight_bytes == 2 * SMOLLM2_PARAMETERS  # bf16 weights stay dense: 2 bytes each
     engine = Engine()

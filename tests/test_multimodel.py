@@ -71,6 +71,7 @@ def make_registry(engine, folders, budget_bytes, tmp_path, host_cache_bytes=4 <<
     settings.memory.max_loaded_models = 3
     settings.memory.host_cache_bytes = host_cache_bytes
     settings.engine.max_num_seqs = engine.config.max_num_seqs
+    settings.engine.weights = "float32"  # the GGUF and its safetensors copy load alike (and as the oracle)
     settings.server.max_queued = 8
     return Registry(engine, settings, device="cpu", dtype="float32")
 

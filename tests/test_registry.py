@@ -23,7 +23,7 @@ class CountingLoader:
         self.fail = fail
         self.calls: list[str] = []
 
-    def __call__(self, path, dtype, device, progress):
+    def __call__(self, path, dtype, device, progress, weights="auto"):
         self.calls.append(path)
         time.sleep(self.delay_s)
         if self.fail:

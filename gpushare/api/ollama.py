@@ -245,7 +245,7 @@ async def ps(request: web.Request) -> web.Response:
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
-            "keep_alive": entry.keep_alive_s, "device": ctx.registry.device,
+            "keep_alive": entry.keep_alive_s, "device": ctx.registry.device, "weights": entry.model.weights,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
@@ -269,6 +269,7 @@ async def show(request: web.Request) -> web.Response:
         "modelfile": f"# gpushare model {source.name}\nFROM {source.path}\n",
         "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
         "capabilities": ["completion"], "modified_at": rfc3339(source.modified_at()),
+        "weights": await registry.weight_format(source.name),
     })
 
 

@@ -2,8 +2,8 @@
 
 One budget (memory.budget) covers the weights and KV pools of every loaded model: device
 memory on a GPU, host RAM on the CPU. Before a load the weight bytes are estimated from
-the file's tensor table (parameter count x dtype size): the GGUF header, or the JSON
-headers of the safetensors files; no tensor data is read. The registry replaces the
+the file's tensor table (parameter count x bytes per weight of the model's weight format):
+the GGUF header, or the JSON headers of the safetensors files; no tensor data is read. The registry replaces the
 estimate with the real number once the model has loaded.
 """
 
@@ -26,6 +26,7 @@ DEFAULT_CPU_BUDGET_FRACTION = 0.8  # of the host RAM available at start
 class TensorCount:
     parameters: int  # elements of every weight tensor in the file
     tied_embedding: int  # elements of the input embedding when no separate output matrix exists, else 0
+    source_types: frozenset = frozenset()  # GGUF type names of the matrices (empty: dense safetensors)
 
 
 def _read_exact(f, n: int) -> bytes:
@@ -42,7 +43,8 @@ def count_gguf_tensors(path: str) -> TensorCount:
     _, tensors = open_gguf(path)
     elements = {t.name: math.prod(t.shape) for t in tensors}
     tied = elements.get("token_embd.weight", 0) if "output.weight" not in elements else 0
-    return TensorCount(sum(elements.values()), tied)
+    types = frozenset(t.tensor_type.name for t in tensors if len(t.shape) == 2)
+    return TensorCount(sum(elements.values()), tied, types)
 
 
 def count_safetensors(folder: str) -> TensorCount:
@@ -66,11 +68,19 @@ def count_tensors(path: str) -> TensorCount:
     return count_safetensors(path) if os.path.isdir(path) else count_gguf_tensors(path)
 
 
-def estimate_weight_bytes(count: TensorCount, dtype: str) -> int:
-    """Weight bytes once loaded in `dtype`. A tied output matrix counts twice: on the CPU in
-    float32 the oneDNN packing keeps its own copy of it; elsewhere this over-estimates by one
-    embedding, which the real number after the load gives back."""
-    element_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+# bytes per weight of the quantized formats, scales included: int4 keeps two float32 numbers per
+# group of 32 (0.25 bytes a weight) and its output matrix in int8
+_QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.8}
+
+
+def estimate_weight_bytes(count: TensorCount, weights: str) -> int:
+    """Weight bytes once loaded in the (resolved) weight format `weights`. Dense: a tied output
+    matrix counts twice: on the CPU in float32 the oneDNN packing keeps its own copy of it;
+    elsewhere this over-estimates by one embedding, which the real number after the load gives
+    back. Quantized: one tied copy serves both."""
+    if weights in _QUANTIZED_BYTES_PER_WEIGHT:
+        return int(count.parameters * _QUANTIZED_BYTES_PER_WEIGHT[weights])
+    element_bytes = torch.empty((), dtype=getattr(torch, weights)).element_size()
     return (count.parameters + count.tied_embedding) * element_bytes
 
 

@@ -34,6 +34,7 @@ class ModelSource:
     pinned: bool = False  # never evicted nor unloaded
     preload: bool = False  # loaded at daemon start
     weight: float = 1.0  # share of engine steps when several models are busy
+    weights: str | None = None  # weight format (models[].weights); None: engine.weights
 
     @property
     def format(self) -> str:
@@ -73,7 +74,7 @@ def model_sources(settings: Settings) -> dict[str, ModelSource]:
     found = {s.name: s for s in scan_models_dir(settings.models_dir)}
     for m in settings.models:
         found[m.name] = ModelSource(m.name, m.path, m.keep_alive_s, origin="config", pinned=m.pinned,
-                                    preload=m.preload, weight=m.weight)
+                                    preload=m.preload, weight=m.weight, weights=m.weights)
     return found
 
 
@@ -84,6 +85,7 @@ class ModelDescription:
     model_info: dict  # GGUF-style keys: general.architecture, <arch>.context_length, ...
     template: str | None
     context_length: int
+    source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.resolve_weights)
 
 
 def describe_model(config, template: str | None, info: dict, parameter_count: int | None) -> ModelDescription:
@@ -104,7 +106,8 @@ def describe_model(config, template: str | None, info: dict, parameter_count: in
     size_label = info.get("parameter_size") or (_size_label(parameter_count) if parameter_count else "")
     details = {"parent_model": "", "format": info.get("format", ""), "family": arch, "families": [arch],
                "parameter_size": size_label, "quantization_level": info.get("quantization_level") or ""}
-    return ModelDescription(details, model_info, template, config.context_length)
+    return ModelDescription(details, model_info, template, config.context_length,
+                            frozenset(info.get("source_types", ())))
 
 
 def _size_label(count: int) -> str:

@@ -29,6 +29,7 @@ from gpushare.engine.memory_budget import default_budget_bytes
 from gpushare.engine.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
 from gpushare.engine.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
+from gpushare.models.weight_format import resolve_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
@@ -46,10 +47,10 @@ class Lease:
         return self.entry.model
 
 
-def _default_loader(path: str, dtype: str, device: str, progress):
+def _default_loader(path: str, dtype: str, device: str, progress, weights: str = "auto"):
     from gpushare.models.loader import load_model
 
-    return load_model(path, dtype=dtype, device=device, progress=progress)
+    return load_model(path, dtype=dtype, device=device, progress=progress, weights=weights)
 
 
 class Registry:
@@ -57,8 +58,8 @@ class Registry:
         self.engine = engine
         self.device = device
         self.dtype = dtype
-        self.residency = Residency(engine, device=device, dtype=dtype, loader=loader, on_loaded=self._on_loaded,
-                                   release=self._release)
+        self.residency = Residency(engine, device=device, dtype=dtype, weights=settings.engine.weights, loader=loader,
+                                   on_loaded=self._on_loaded, release=self._release)
         self._descriptions: dict[str, ModelDescription] = {}  # by ModelSource.digest()
         self._background: set[asyncio.Task] = set()
         # Measured once, at start: later the loaded models themselves would shrink "available".
@@ -132,6 +133,15 @@ class Registry:
                 raise ModelLoadError(f'cannot read model "{source.name}" ({source.path}): {e}') from e
             self._descriptions[source.digest()] = desc
         return desc
+
+    async def weight_format(self, name: str) -> str:
+        """The weight format `name` runs in: as loaded, else what its settings resolve to on this device."""
+        source = self.find(name)
+        entry = self.residency.loaded.get(source.name)
+        if entry is not None:
+            return entry.model.weights
+        desc = await self.describe(name)
+        return resolve_weights(self.residency.weights_of(source), self.device, set(desc.source_types))
 
     # ------------------------------------------------------------------ create / remove
 

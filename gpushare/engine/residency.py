@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from gpushare.engine.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
 from gpushare.engine.model_catalog import ModelSource
 from gpushare.engine.warm_cache import WarmCache, to_device, to_host
+from gpushare.models.weight_format import resolve_weights
 
 log = logging.getLogger("gpushare.registry")
 
@@ -50,7 +51,7 @@ class LoadedEntry:
     kv_cache_bytes: int
     load_duration_s: float
     warm_load: bool  # taken from the warm tier rather than parsed from its file
-    warm_key: tuple  # (file digest, dtype, device): its place in the warm tier once unloaded
+    warm_key: tuple  # (file digest, dtype, weights, device): its place in the warm tier once unloaded
     parameter_count: int
     keep_alive_s: float = 0.0
     active: int = 0  # leases held: requests running, queued in the engine, or about to submit
@@ -89,11 +90,12 @@ class LoadJob:
 
 
 class Residency:
-    def __init__(self, engine, *, device: str, dtype: str, loader, on_loaded, release):
+    def __init__(self, engine, *, device: str, dtype: str, weights: str, loader, on_loaded, release):
         self.engine = engine
         self.device = device
         self.dtype = dtype
-        self._loader = loader  # (path, dtype, device, progress) -> LoadedModel
+        self.weights = weights  # engine.weights: the format of models whose entry names none
+        self._loader = loader  # (path, dtype, device, progress, weights=...) -> LoadedModel
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
         self._release = release  # (LoadedEntry) -> None, to give a lease back
         self.loaded: dict[str, LoadedEntry] = {}
@@ -108,8 +110,12 @@ class Residency:
         self._sizes: dict[tuple, tuple[int, int]] = {}  # warm key -> (weight bytes, parameter count)
         self._room_changed = asyncio.Event()
 
+    def weights_of(self, source: ModelSource) -> str:
+        """The weight format setting for `source` (models[].weights, else engine.weights; may be auto)."""
+        return source.weights or self.weights
+
     def warm_key(self, source: ModelSource) -> tuple:
-        return (source.digest(), self.dtype, self.device)
+        return (source.digest(), self.dtype, self.weights_of(source), self.device)
 
     def used_bytes(self) -> int:
         """memory.budget in use: loaded models and the loads that found room."""
@@ -174,7 +180,8 @@ class Residency:
                     count = await asyncio.to_thread(count_tensors, source.path)
                 except (OSError, ValueError) as e:
                     raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
-                self._sizes[key] = (estimate_weight_bytes(count, self.dtype), count.parameters)
+                weights = resolve_weights(self.weights_of(source), self.device, set(count.source_types))
+                self._sizes[key] = (estimate_weight_bytes(count, weights), count.parameters)
             estimate_bytes, parameter_count = self._sizes[key]
             kv_bytes = self.kv_bytes_per_model
             evictions = await self._wait_for_room(job, estimate_bytes + kv_bytes)
@@ -253,7 +260,7 @@ class Residency:
         if warm is not None:
             model = to_device(warm, self.device)
         else:
-            model = self._loader(source.path, self.dtype, self.device, job.report)
+            model = self._loader(source.path, self.dtype, self.device, job.report, weights=self.weights_of(source))
         self.engine.add_model(source.name, model, kv_cache_bytes=kv_bytes, share_weight=source.weight)
         return model
 

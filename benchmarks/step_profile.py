@@ -1,0 +1,63 @@
+"""Where a decode step's time goes: ms per step at batch 1 and 16, and torch's profile of the ops.
+
+    .venv/bin/python benchmarks/step_profile.py                       # auto weights, batch 1 and 16
+    .venv/bin/python benchmarks/step_profile.py --weights float32 int8 int4 --batch 1 16 64
+
+For each weight format: the offline LLM runs `batch` greedy streams of `--tokens` tokens after a
+short prompt; the figure is the median wall time of the decode steps (the engine's on_step hook
+times them), then a profiled stretch of the same load lists the ops by self CPU time. Run it
+with nothing else on the machine.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from perplexity import find_gguf  # noqa: E402
+
+from gpushare import LLM, SamplingParams  # noqa: E402
+
+
+def decode_step_ms(llm: LLM, batch: int, tokens: int) -> float:
+    """Median wall time of the engine's steps once every stream is decoding."""
+    stamps = []
+    llm.engine.on_step = lambda *_: stamps.append(time.perf_counter())
+    prompts = [[{"role": "user", "content": f"Tell me a story about the number {i}."}] for i in range(batch)]
+    llm.chat(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    llm.engine.on_step = None
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps prefill
+    return statistics.median(gaps) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", nargs="+", default=["auto"])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--top", type=int, default=12, help="ops listed per profile")
+    args = p.parse_args()
+    model = find_gguf()
+    for weights in args.weights:
+        llm = LLM(model, weights=weights, num_threads=args.threads)
+        try:
+            for batch in args.batch:
+                decode_step_ms(llm, batch, 8)  # warm-up
+                ms = decode_step_ms(llm, batch, args.tokens)
+                print(f"{weights} ({llm.model.weights}) batch {batch}: {ms:.2f} ms per decode step, "
+                      f"{batch / ms * 1e3:.0f} tok/s", flush=True)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    decode_step_ms(llm, batch, 16)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top), flush=True)
+        finally:
+            llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

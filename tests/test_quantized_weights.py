@@ -1,0 +1,155 @@
+"""Quantized weights (engine.weights): exact conversion of GGUF 4-bit blocks, sizes, answers that do
+not depend on batch neighbours, safetensors folders quantized as they load, and config errors."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from gpushare import LLM, SamplingParams
+from gpushare.config import ConfigError, parse_settings
+from gpushare.models.cpu_kernels import quantized_cpu_weights
+from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.models.loader import load_model
+from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize_int4, quantize_int8
+from gpushare.models.weight_format import quantize, resolve_weights
+from model_files import gguf_to_hf_folder
+
+SMOLLM2_FLOAT32_BYTES = 134_515_008 * 4  # its parameters as float32, tied embedding once
+PROMPTS = ["Why is the sky blue?", "Name three fruits.", "What is 2 + 2?", "Tell me about Paris.",
+           "Write a short poem.", "Who wrote Hamlet?", "How do magnets work?", "Describe a cat.",
+           "What is Python?", "Give me a recipe.", "Explain rain.", "What is the moon?",
+           "Count to five.", "Say hello in French.", "What is gravity?", "Define a noun."]
+
+
+def greedy(n=24):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_q4_blocks_convert_to_int4_bit_for_bit(smollm2_path):
+    from gguf import quants
+
+    _, tensors = read_gguf_file(smollm2_path)
+    checked = 0
+    for t in tensors:
+        if t.tensor_type.name == "Q4_1" and t.name.startswith("blk.0."):
+            shape = [int(d) for d in reversed(t.shape)]
+            w = int4_from_gguf(t.data, "Q4_1", shape)
+            expected = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(shape))
+            assert torch.equal(w.dequantize(), expected), t.name
+            checked += 1
+    assert checked == 7  # q, k, v, o, gate, up, down
+
+
+def test_q4_0_blocks_convert_to_int4_bit_for_bit():
+    from gguf import GGMLQuantizationType, quants
+
+    dense = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    blocks = quants.quantize(dense, GGMLQuantizationType.Q4_0)
+    expected = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_0))
+    assert torch.equal(int4_from_gguf(blocks, "Q4_0", [8, 64]).dequantize(), expected)
+
+
+def test_quantizers_stay_within_half_a_step():
+    w = torch.randn(64, 256)
+    q8 = quantize_int8(w)
+    assert (q8.dequantize() - w).abs().amax(dim=1).le(q8.scales / 2 + 1e-6).all()
+    q4 = quantize_int4(w)
+    step = q4.scales.repeat_interleave(q4.group_size, dim=1)
+    assert (q4.dequantize() - w).abs().le(step / 2 + 1e-6).all()
+
+
+def test_int4_falls_back_to_int8_with_a_logged_reason(caplog):
+    with caplog.at_level(logging.WARNING, logger="gpushare.models"):
+        w = quantize("odd.weight", torch.randn(8, 40), "int4")
+    assert isinstance(w, Int8Weight)
+    assert "not a multiple of 32" in caplog.text and "odd.weight" in caplog.text
+
+
+def test_auto_picks_int8_for_quantized_files_on_the_cpu():
+    assert resolve_weights("auto", "cpu", {"Q4_1", "Q8_0"}) == quantized_cpu_weights()  # int8 where faster
+    assert resolve_weights("auto", "cpu", set()) == "float32"
+    assert resolve_weights("auto", "cuda", {"Q4_1", "Q4_0"}) == "int4"
+    assert resolve_weights("auto", "cuda", {"Q6_K"}) == "int8"
+    assert resolve_weights("auto", "cuda", set()) == "bfloat16"
+    with pytest.raises(ValueError, match="int3.*choose from auto, int8, int4"):
+        resolve_weights("int3", "cpu", set())
+
+
+def test_quantized_models_are_a_fraction_of_float32(smollm2_path):
+    int8 = load_model(smollm2_path, weights="int8")
+    int4 = load_model(smollm2_path, weights="int4")
+    assert int8.weights == "int8" and int4.weights == "int4"
+    assert int8.weight_bytes <= 0.35 * SMOLLM2_FLOAT32_BYTES
+    assert int4.weight_bytes <= 0.2 * SMOLLM2_FLOAT32_BYTES
+    layer = int4.model.layers[0]
+    assert layer.mlp.down_proj.format == "int4" and int4.model.lm_head.format.startswith("int8")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_linears_compute_each_row_alone(weights):
+    """A row's result is bit for bit the same alone and among neighbours: nothing is scaled per batch."""
+    from gpushare.models.linear import Linear
+
+    for out_features, in_features in [(960, 576), (3072, 576), (576, 1536)]:
+        linear = Linear(in_features, out_features, bias=False)
+        linear.set_quantized(quantize(f"{weights}.weight", torch.randn(out_features, in_features) / 50, weights), "cpu")
+        x = torch.randn(40, in_features)
+        together = linear(x)
+        for rows in (1, 7, 16):
+            assert torch.equal(linear(x[:rows]), together[:rows])
+
+
+def test_float32_answers_do_not_depend_on_batch_neighbours(llm):
+    """The whole model: quantized formats compute in bfloat16 between layers, which turns the ~1e-7
+    noise of batched attention into other tokens after 15-35 of them (docs/benchmarks.md); the
+    float32 path keeps greedy answers identical."""
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    alone = llm.chat(convs[:1], greedy())[0].token_ids
+    batched = llm.chat(convs, greedy())
+    assert batched[0].token_ids == alone
+    assert len({tuple(o.token_ids) for o in batched}) > 8  # really different sequences around it
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_stays_close_to_float32(llm, smollm2_path, weights):
+    """Per position of a text, the quantized model's next-token choice is float32's almost everywhere."""
+    from gpushare.engine.engine import Engine
+    from gpushare.engine.sequence import Sequence
+
+    text = " ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog while the sun sets slowly."
+    ids = llm.tokenizer.encode(text, add_special_tokens=True)
+    argmax = {}
+    for name, loaded in (("float32", llm.model), (weights, load_model(smollm2_path, weights=weights))):
+        engine = Engine()
+        engine.add_model(name, loaded, kv_cache_bytes=8 << 20)
+        seq = Sequence("x", name, ids, greedy(), lambda out: None)
+        assert engine.workers[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
+        hidden, _ = engine.workers[name].runner.hidden_states([seq], [len(ids)])
+        argmax[name] = loaded.model.logits(hidden).argmax(dim=-1)
+    agreement = (argmax[weights] == argmax["float32"]).float().mean().item()
+    assert agreement >= 0.9, agreement
+
+
+def test_safetensors_folder_quantizes_as_it_loads_like_the_gguf(smollm2_path, tmp_path):
+    folder = gguf_to_hf_folder(smollm2_path, str(tmp_path / "smollm2-hf"))
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    answers = []
+    for path in (folder, smollm2_path):
+        llm = LLM(path, weights="int8", num_threads=2)
+        try:
+            assert isinstance(llm.model.model.layers[0].mlp.gate_up_proj.scales, torch.Tensor)
+            answers.append([o.token_ids for o in llm.chat(convs, greedy(12))])
+        finally:
+            llm.shutdown()
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("section", ["engine", "models"])
+def test_unknown_weights_value_is_a_config_error_naming_the_key(section, smollm2_path):
+    raw = {"engine": {"weights": "int3"}} if section == "engine" else \
+        {"models": [{"name": "m", "path": smollm2_path, "weights": "int3"}]}
+    key = r"engine\.weights" if section == "engine" else r"models\[0\]\.weights"
+    with pytest.raises(ConfigError, match=rf"{key}: must be one of auto, int8, int4, bfloat16, float16, float32"):
+        parse_settings(raw, env={})
