@@ -1,5 +1,6 @@
 """load_model: a GGUF file or a Hugging Face folder -> weights on the device, tokenizer, chat template."""
 
+import ctypes
 import glob
 import json
 import os
@@ -168,7 +169,18 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
     config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
     model = build_model(config, state, torch_dtype, device, DENSE_FORMATS.get(info["weights"]))
+    del state
+    _return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"])
+
+
+def _return_freed_memory() -> None:
+    """Give the OS back the heap that conversion copies left free: glibc keeps it otherwise (a
+    SmolLM2 int8 load holds ~260 MiB more RSS without this). Other C libraries: nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _file_type_name(file_type) -> str | None:
