@@ -9,7 +9,8 @@ from aiohttp import web
 
 from gpushare.api.context import context, encode_text
 from gpushare.api.errors import ApiError, bad_request
-from gpushare.api.streaming import Timings
+from gpushare.api.streaming import Timings, engine_failed
+from gpushare.engine.engine import EngineFailed
 from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.engine.kv_cache import KVCacheBusy
 
@@ -44,5 +45,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:
             raise ApiError(503, str(e), retry_after_s=1) from None
+        except EngineFailed as e:
+            raise engine_failed(e) from None
         timings.end_s = time.monotonic()
         return vectors, timings

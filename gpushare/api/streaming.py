@@ -18,6 +18,7 @@ from aiohttp import web
 
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
+from gpushare.engine.engine import EngineFailed
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import DEFAULT_TENANT
@@ -37,6 +38,8 @@ class EngineStream:
             self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        except EngineFailed as e:
+            raise engine_failed(e) from None
         except KeyError:  # unloaded between the lease and the submit: only while the daemon stops
             raise ApiError(503, f'model "{model_name}" was unloaded; retry', retry_after_s=1) from None
 
@@ -127,6 +130,11 @@ def make_sampling_params(**kwargs) -> SamplingParams:
     except ValueError as e:
         raise bad_request(str(e)) from None
     return params
+
+
+def engine_failed(e: EngineFailed) -> ApiError:
+    """503: the engine loop failed for good; only a restart brings it back."""
+    return ApiError(503, f"the engine is down: {e}", code="engine_failed")
 
 
 def finish_error(out: RequestOutput) -> ApiError | None:
