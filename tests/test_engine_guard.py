@@ -131,3 +131,28 @@ def test_a_failed_loop_ends_every_stream_and_refuses_new_work(llm):
             engine.embed("m", [chat_ids(llm, PROMPTS[0])])
     finally:
         engine.shutdown()
+
+
+def test_generation_steps_run_between_the_inputs_of_a_large_embedding(llm):
+    engine = small_engine(llm, num_blocks=128)
+    try:
+        first_token, finished = threading.Event(), threading.Event()
+
+        def on_output(out):
+            first_token.set()
+            if out.finished:
+                finished.set()
+
+        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(64), on_output)
+        assert first_token.wait(120)
+        steps_before = engine.steps
+        inputs = [chat_ids(llm, p) for p in PROMPTS]
+        future = engine.embed("m", inputs)
+        steps_at_end = []
+        future.add_done_callback(lambda f: steps_at_end.append(engine.steps))  # runs on the engine thread
+        assert len(future.result(timeout=300)) == len(inputs)
+        assert finished.wait(300)
+    finally:
+        engine.shutdown()
+    # One input per loop turn: the running generation took a step between each two of them.
+    assert steps_at_end[0] - steps_before >= len(inputs) - 1

@@ -122,13 +122,16 @@ def usable_context(engine, model_name: str, context_length: int, prompt_ids: lis
     return min(context, pool_tokens)
 
 
-def make_sampling_params(**kwargs) -> SamplingParams:
-    """SamplingParams from already type-checked values (None = the engine default); 400 on a bad range."""
+def make_sampling_params(field_names: dict[str, str] | None = None, **kwargs) -> SamplingParams:
+    """SamplingParams from already type-checked values (None = the engine default); 400 on a bad range,
+    naming the field as the client wrote it (``field_names`` maps engine names onto the dialect's)."""
     params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     try:
         params.validate()
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        name, _, rest = str(e).partition(" ")  # validate() starts each message with the field's name
+        shown = (field_names or {}).get(name, name)
+        raise bad_request(f'"{shown}" {rest}', param=shown) from None
     return params
 
 

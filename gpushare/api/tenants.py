@@ -296,9 +296,13 @@ def check_admin(request: web.Request, action: str) -> None:
 
 
 def check_keep_alive(request: web.Request, keep_alive_s: float | None) -> None:
-    """keep_alive 0 unloads the model for every tenant, so with tenants only an admin may send it."""
+    """keep_alive 0 unloads the model for every tenant, and a very short one nearly does, so with tenants
+    only an admin may send one below server.min_keep_alive (negative, "for ever", is fine)."""
     if keep_alive_s == 0:
         check_admin(request, "unload models (keep_alive 0)")
+    floor_s = context(request).settings.server.min_keep_alive_s
+    if keep_alive_s is not None and 0 < keep_alive_s < floor_s:
+        check_admin(request, f"set keep_alive below {floor_s:g}s (server.min_keep_alive)")
 
 
 def visible(request: web.Request, names) -> list[str]:

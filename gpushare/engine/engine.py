@@ -284,8 +284,10 @@ class Engine:
         kind = item[0]
         if kind == "submit":
             self._emit(item[1], self._output(item[1], [], True, "error", reason))
-        elif kind in ("embed", "call") and not item[-1].done():
-            item[-1].set_exception(EngineFailed(reason))
+        elif kind in ("embed", "call"):
+            future = item[3] if kind == "embed" else item[2]
+            if not future.done():
+                future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
         deferred, self._deferred = self._deferred, []
@@ -456,26 +458,34 @@ class Engine:
         except Exception:  # a broken consumer must not stop the engine
             log.exception("on_output callback failed for request %s", seq.request_id)
 
-    def _embed(self, model_name: str, seqs: list[Sequence], future: Future) -> None:
+    def _embed(self, model_name: str, seqs: list[Sequence], future: Future, done: tuple = ()) -> None:
+        """One input per loop turn (the rest goes back to the inbox), so generation steps run between
+        the inputs of a large embedding request."""
         worker = self.workers.get(model_name)
         if worker is None:
             future.set_exception(KeyError(f"model {model_name!r} is not loaded"))
             return
+        if not seqs:
+            future.set_result([])
+            return
         pool = worker.scheduler.pool
-        vectors = []
+        seq = seqs[0]
         try:
-            for seq in seqs:
-                # An input borrows blocks, charged to its tenant, for one forward pass; preemption
-                # for it follows the same rules as for a prompt.
-                while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
-                    victim = worker.scheduler.victim(seq, refused)
-                    if victim is seq:
-                        raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
-                    worker.scheduler.preempt(victim)
-                try:
-                    vectors.append(worker.runner.embed(seq))
-                finally:
-                    pool.release(seq.block_table, seq.tenant)
-            future.set_result(vectors)
+            # An input borrows blocks, charged to its tenant, for one forward pass; preemption
+            # for it follows the same rules as for a prompt.
+            while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
+                victim = worker.scheduler.victim(seq, refused)
+                if victim is seq:
+                    raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
+                worker.scheduler.preempt(victim)
+            try:
+                vectors = (*done, worker.runner.embed(seq))
+            finally:
+                pool.release(seq.block_table, seq.tenant)
         except Exception as e:
             future.set_exception(e)
+            return
+        if len(seqs) > 1:
+            self._deferred.append(("embed", model_name, seqs[1:], future, vectors))
+        else:
+            future.set_result(list(vectors))
