@@ -232,3 +232,14 @@ def test_a_victims_greedy_stream_is_exact_while_attackers_are_refused(daemon):
     assert first["response"] + "".join(c["response"] for c in rest) == reference
     assert rest[-1]["done"] is True
     assert http("GET", daemon.url + "/health")[0] == 200
+
+
+def test_show_gives_other_tenants_the_file_name_only(daemon):
+    def source(key):
+        status, body, _ = call(daemon, "POST", "/api/show", {"model": MODEL}, key=key)
+        assert status == 200, body
+        return next(line[5:] for line in body["modelfile"].splitlines() if line.startswith("FROM "))
+
+    admin_sees, alice_sees = source(OPS), source(ALICE)
+    assert admin_sees.startswith("/") and admin_sees.endswith(".gguf")
+    assert alice_sees == admin_sees.rsplit("/", 1)[1]

@@ -14,6 +14,7 @@ import asyncio
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import time
 
 from aiohttp import web
@@ -26,7 +27,7 @@ from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_ob
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
-from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, tenant_rows, visible
+from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows, visible
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
@@ -272,8 +273,10 @@ async def show(request: web.Request) -> web.Response:
     registry = context(request).registry
     source = registry.find(name)
     desc = await registry.describe(source.name)
+    # Where the node keeps its files is the operator's business: other tenants see the file name only.
+    path = source.path if is_admin(request) else os.path.basename(source.path)
     return web.json_response({
-        "modelfile": f"# gpushare model {source.name}\nFROM {source.path}\n",
+        "modelfile": f"# gpushare model {source.name}\nFROM {path}\n",
         "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
         "capabilities": ["completion"], "modified_at": rfc3339(source.modified_at()),
     })

@@ -288,11 +288,16 @@ def check_model(request: web.Request, model: str) -> None:
                        code="model_not_allowed")
 
 
+def is_admin(request: web.Request) -> bool:
+    """No tenants configured (everyone is the operator), or the request's tenant is an admin."""
+    return not gate_of(request).enabled or tenant_of(request).settings.admin
+
+
 def check_admin(request: web.Request, action: str) -> None:
     """With tenants configured, only an admin tenant may change what the node serves for everyone."""
-    state = tenant_of(request)
-    if gate_of(request).enabled and not state.settings.admin:
-        raise ApiError(403, f'tenant "{state.name}" may not {action}: it needs admin: true', code="admin_only")
+    if not is_admin(request):
+        name = tenant_of(request).name
+        raise ApiError(403, f'tenant "{name}" may not {action}: it needs admin: true', code="admin_only")
 
 
 def check_keep_alive(request: web.Request, keep_alive_s: float | None) -> None:
