@@ -40,6 +40,7 @@ class ServerSettings:
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # < 0: forever; 0: unload after each request
     min_keep_alive_s: float = 60.0  # with tenants, a shorter request keep_alive (> 0) needs an admin
     origins: list[str] = field(default_factory=list)  # browser origins allowed beyond the loopback defaults
+    write_timeout_s: float = 60.0  # a stream whose client reads nothing for this long is dropped
 
 
 @dataclass
@@ -87,7 +88,8 @@ class Settings:
 
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
-    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins"}, "server.")
+    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
+                       "write_timeout"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -102,6 +104,10 @@ def _read_server(raw: Any) -> ServerSettings:
         s.keep_alive_s = parse_duration_s(d["keep_alive"], "server.keep_alive")
     if "origins" in d:
         s.origins = _read_origins(d["origins"], "server.origins")
+    if "write_timeout" in d:
+        s.write_timeout_s = parse_duration_s(d["write_timeout"], "server.write_timeout")
+        if not s.write_timeout_s > 0:
+            raise ConfigError(f"server.write_timeout: must be more than zero, got {d['write_timeout']!r}")
     if "min_keep_alive" in d:
         s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
         if s.min_keep_alive_s < 0:

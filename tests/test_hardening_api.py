@@ -6,19 +6,22 @@ One daemon for the module, with tenants (alice, an ordinary tenant; ops, an admi
 """
 
 import json
+import socket
 from http.client import HTTPConnection
 
 import ollama
 import openai
 import pytest
-from daemon_fixture import MODEL, http, serving
+from daemon_fixture import MODEL, http, serving, wait_for
 
 ALICE, OPS = "alice-key", "ops-key"
 APP_ORIGIN = "https://app.example.com"
 LIMITS = {"max_prompt_chars": 4000, "max_messages": 8, "max_stop_strings": 4, "max_stop_chars": 32,
           "max_embed_inputs": 4, "max_embed_tokens": 64, "max_json_depth": 16}
-OVERRIDES = {"tenants": [{"name": "alice", "api_keys": [ALICE]}, {"name": "ops", "api_keys": [OPS], "admin": True}],
-             "limits": LIMITS, "server": {"origins": [APP_ORIGIN]}}
+SOLO = "solo-key"  # one request at a time, none queued
+OVERRIDES = {"tenants": [{"name": "alice", "api_keys": [ALICE]}, {"name": "ops", "api_keys": [OPS], "admin": True},
+                         {"name": "solo", "api_keys": [SOLO], "max_concurrent": 1, "max_queued": 0}],
+             "limits": LIMITS, "server": {"origins": [APP_ORIGIN], "write_timeout": "2s"}}
 GREEDY = {"temperature": 0, "num_predict": 12}
 STORY = "Tell me a long story about a lighthouse."
 
@@ -243,3 +246,22 @@ def test_show_gives_other_tenants_the_file_name_only(daemon):
     admin_sees, alice_sees = source(OPS), source(ALICE)
     assert admin_sees.startswith("/") and admin_sees.endswith(".gguf")
     assert alice_sees == admin_sees.rsplit("/", 1)[1]
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot(daemon):
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: a small window
+    stalled.connect(("127.0.0.1", int(daemon.host.split(":")[1])))
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
+                       "temperature": 0, "stream": True}).encode()
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + SOLO.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    try:  # ...and never reads: once the socket's buffers are full, writes stall
+        small = {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+        assert wait_for(lambda: call(daemon, "POST", "/api/generate", small, key=SOLO)[0] == 429, 60)
+        assert wait_for(lambda: call(daemon, "POST", "/api/generate", small, key=SOLO)[0] == 200, 300, 1)
+        assert "read nothing for 2s; dropping its stream" in daemon.log()
+        assert call(daemon, "GET", "/api/ps", key=OPS)[1]["models"][0]["kv_blocks_used"] == 0
+    finally:
+        stalled.close()
