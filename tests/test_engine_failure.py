@@ -15,7 +15,7 @@ import time
 from http.client import HTTPConnection
 
 import pytest
-from daemon_fixture import GPUSHARE, MODEL, START_TIMEOUT_S, Daemon, free_port, http, wait_for, write_config
+from daemon_fixture import GPUSHARE, MODEL, Daemon, free_port, http, wait_for, write_config
 from test_daemon_lifecycle import NotifySocket
 
 
