@@ -106,8 +106,10 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, prompt_ids, output_id
     if params.greedy:
         return int(row.argmax())
     probs = _filter(row, params)
+    # Checked here, not left to multinomial: on CUDA a bad distribution can be a device-side assert,
+    # which would poison the context for every request. A NaN or inf anywhere makes the sum one.
     total = float(probs.sum())
-    if not math.isfinite(total) or total <= 0 or not bool(torch.isfinite(probs).all()):
+    if not math.isfinite(total) or total <= 0:
         raise ValueError("the sampling parameters left no finite probabilities")
     return int(torch.multinomial(probs, 1, generator=generator))
 
