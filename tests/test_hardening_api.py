@@ -248,6 +248,26 @@ def test_show_gives_other_tenants_the_file_name_only(daemon):
     assert alice_sees == admin_sees.rsplit("/", 1)[1]
 
 
+def test_a_tenant_at_its_limit_is_refused_before_its_body_is_read(daemon):
+    held = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
+    held.request("POST", "/api/generate", json.dumps({"model": MODEL, "prompt": STORY, "options": {"num_predict": 500}}),
+                 {"Authorization": f"Bearer {SOLO}", "Content-Type": "application/json"})
+    resp = held.getresponse()
+    assert resp.status == 200 and json.loads(resp.readline())["done"] is False
+    try:
+        # Not even JSON: the 429 comes before the body is read, so a flood of them costs little.
+        status, body, headers = call(daemon, "POST", "/api/generate", key=SOLO, raw=b"{not json" * 1000)
+        assert status == 429 and "max_concurrent limit of 1" in body["error"] and headers["Retry-After"] == "1"
+        status, body, _ = call(daemon, "POST", "/v1/chat/completions", key=SOLO, raw=b"{not json")
+        assert status == 429 and body["error"]["code"] == "max_concurrent"
+    finally:
+        held.sock.shutdown(2)
+        held.close()
+    small = {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+    assert wait_for(lambda: call(daemon, "POST", "/api/generate", small, key=SOLO)[0] == 200, 30)
+    assert call(daemon, "POST", "/api/generate", key=SOLO, raw=b"{not json")[0] == 400
+
+
 @pytest.mark.slow
 def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot(daemon):
     stalled = socket.socket()

@@ -31,13 +31,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
-from gpushare.api.tenants import TENANT, check_admin
+from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.sequence import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
 
-INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
-                             "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 LOAD_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)

@@ -46,6 +46,8 @@ from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
+INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+                             "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
 
@@ -130,25 +132,32 @@ class TenantState:
                 self.running += 1
                 waiter.set_result(None)
 
-    async def acquire(self) -> None:
-        """Take a request slot: at once, after waiting in the queue, or a 429 that names the limit."""
+    def refusal(self) -> ApiError | None:
+        """The 429 a new request would get now (over its rate, or no slot and a full queue), else None."""
         if self.request_bucket is not None:
             wait_s = self.request_bucket.wait_s(1)
             if wait_s > 0:
-                raise too_many(f'tenant "{self.name}" is over its rate limit of '
-                               f"{self.settings.requests_per_s:g} requests per second (requests_per_s); "
-                               f"retry in {_retry_after(wait_s)}s", "requests_per_s", wait_s)
+                return too_many(f'tenant "{self.name}" is over its rate limit of '
+                                f"{self.settings.requests_per_s:g} requests per second (requests_per_s); "
+                                f"retry in {_retry_after(wait_s)}s", "requests_per_s", wait_s)
+        if (self.waiters or not self._has_slot()) and len(self.waiters) >= self.max_queued:
+            limit = self.settings.max_concurrent
+            if self.max_queued == 0:
+                return too_many(f'tenant "{self.name}" is at its max_concurrent limit of {limit} running '
+                                f"requests, with no queue (max_queued 0); retry when one ends", "max_concurrent", 1)
+            return too_many(f'tenant "{self.name}" is at its max_queued limit of {self.max_queued} queued requests '
+                            f"(beyond max_concurrent {limit} running); retry when one ends", "max_queued", 1)
+        return None
+
+    async def acquire(self) -> None:
+        """Take a request slot: at once, after waiting in the queue, or a 429 that names the limit."""
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
         if not self.waiters and self._has_slot():
             self._take_request()
             self.running += 1
             return
-        if len(self.waiters) >= self.max_queued:
-            limit = self.settings.max_concurrent
-            if self.max_queued == 0:
-                raise too_many(f'tenant "{self.name}" is at its max_concurrent limit of {limit} running '
-                               f"requests, with no queue (max_queued 0); retry when one ends", "max_concurrent", 1)
-            raise too_many(f'tenant "{self.name}" is at its max_queued limit of {self.max_queued} queued requests '
-                           f"(beyond max_concurrent {limit} running); retry when one ends", "max_queued", 1)
         self._take_request()
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
@@ -265,7 +274,13 @@ def gate_of(target: ApiContext | web.Application | web.Request) -> TenantGate:
 async def tenant_middleware(request: web.Request, handler):
     """Identify the tenant of every request but the open paths (401 when it cannot be)."""
     if request.path not in OPEN_PATHS:
-        request[TENANT] = gate_of(request).identify(presented_key(request))
+        state = request[TENANT] = gate_of(request).identify(presented_key(request))
+        if request.method == "POST" and request.path in INFERENCE_PATHS:
+            # Refused before its body is read: a tenant's flood of 429s costs no body read or JSON
+            # parse, work that competes with the engine for the GIL (acquire() checks again).
+            refused = state.refusal()
+            if refused is not None:
+                raise refused
     return await handler(request)
 
 
