@@ -20,6 +20,7 @@ import yaml
 
 from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
+from gpushare.limit_settings import LimitSettings, read_limits
 from gpushare.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
 
 DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
@@ -38,6 +39,9 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     max_queued: int = 256  # per model, beyond the max_num_seqs that run at once
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # < 0: forever; 0: unload after each request
+    min_keep_alive_s: float = 60.0  # with tenants, a shorter request keep_alive (> 0) needs an admin
+    origins: list[str] = field(default_factory=list)  # browser origins allowed beyond the loopback defaults
+    write_timeout_s: float = 60.0  # a stream whose client reads nothing for this long is dropped
 
 
 @dataclass
@@ -80,13 +84,15 @@ class Settings:
     node: Any = None  # gpushare.node.settings.NodeSettings
     tenants: list[TenantSettings] = field(default_factory=list)  # empty: one keyless tenant, "default"
     prefix_cache_scope: str = "tenant"  # which requests may share cached prefix blocks
+    limits: LimitSettings = field(default_factory=LimitSettings)  # bounds on one request
     config_path: Path | None = None  # the YAML file these came from; reload_settings reads it again
     host_flag: str | None = None  # --host, which outranks the file on a reload too
 
 
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
-    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive"}, "server.")
+    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
+                       "write_timeout"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -99,7 +105,25 @@ def _read_server(raw: Any) -> ServerSettings:
         s.max_queued = non_negative_int(d["max_queued"], "server.max_queued")
     if "keep_alive" in d:
         s.keep_alive_s = parse_duration_s(d["keep_alive"], "server.keep_alive")
+    if "origins" in d:
+        s.origins = _read_origins(d["origins"], "server.origins")
+    if "write_timeout" in d:
+        s.write_timeout_s = parse_duration_s(d["write_timeout"], "server.write_timeout")
+        if not s.write_timeout_s > 0:
+            raise ConfigError(f"server.write_timeout: must be more than zero, got {d['write_timeout']!r}")
+    if "min_keep_alive" in d:
+        s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
+        if s.min_keep_alive_s < 0:
+            raise ConfigError(f"server.min_keep_alive: must not be negative, got {d['min_keep_alive']!r}")
     return s
+
+
+def _read_origins(raw: Any, key: str) -> list[str]:
+    """Origins as OLLAMA_ORIGINS takes them: a list, or one comma-separated string; `*` is a wildcard."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(o, str) and o.strip() for o in items):
+        raise ConfigError(f"{key}: must be a list of origins such as https://app.example.com, got {raw!r}")
+    return [o.strip() for o in items]
 
 
 def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
@@ -202,7 +226,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     env = os.environ if env is None else env
     d = expect_mapping(raw, "config")
     reject_unknown(d, {"server", "models", "models_dir", "engine", "memory", "node", "tenants",
-                        "prefix_cache"}, "")
+                        "prefix_cache", "limits"}, "")
     base_dir = base_dir or Path.cwd()
     s = Settings(
         server=_read_server(d.get("server")),
@@ -210,6 +234,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
         memory=_read_memory(d.get("memory")),
         node=_read_node(d.get("node")),
         prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
+        limits=read_limits(d.get("limits")),
     )
     s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes // s.memory.max_loaded_models)
     if "models" in d:
@@ -223,6 +248,8 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     if env.get("GPUSHARE_HOST"):
         parse_host(env["GPUSHARE_HOST"], "GPUSHARE_HOST")
         s.server.host = env["GPUSHARE_HOST"]
+    if env.get("GPUSHARE_ORIGINS"):
+        s.server.origins = [*s.server.origins, *_read_origins(env["GPUSHARE_ORIGINS"], "GPUSHARE_ORIGINS")]
     if env.get("GPUSHARE_KEEP_ALIVE"):
         s.server.keep_alive_s = parse_duration_s(env["GPUSHARE_KEEP_ALIVE"], "GPUSHARE_KEEP_ALIVE")
     return s
@@ -237,10 +264,12 @@ def load_settings(path: str | os.PathLike | None = None, host: str | None = None
             text = p.read_text()
         except OSError as e:
             raise ConfigError(f"{p}: cannot read the config file: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.start} cannot be decoded)") from None
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+            raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(e)}") from None
         base_dir = p.parent.resolve()
     s = parse_settings(raw, base_dir)
     if host:
@@ -249,6 +278,13 @@ def load_settings(path: str | os.PathLike | None = None, host: str | None = None
     s.config_path = Path(path).expanduser().resolve() if path is not None else None
     s.host_flag = host
     return s
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's complaint and where, without the quoted lines of the file (they may hold API keys)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(part) for part in (getattr(e, "context", None), getattr(e, "problem", None)) if part)
 
 
 def reload_settings(current: Settings) -> Settings:

@@ -5,10 +5,12 @@ Every error is a ConfigError whose message names the key, e.g. ``server.host: ..
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 DEFAULT_PORT = 11434
+MAX_DURATION_S = 10 * 365 * 86400.0  # ten years; longer is "for ever" (-1), and times past it overflow dates
 
 
 class ConfigError(ValueError):
@@ -23,7 +25,17 @@ _SIZE_UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_duration_s(value: Any, key: str = "duration") -> float:
-    """Seconds from a number (seconds) or a Go-style string as Ollama takes: "30s", "5m", "1h30m", "-1"."""
+    """Seconds from a number (seconds) or a Go-style string as Ollama takes: "30s", "5m", "1h30m", "-1".
+
+    Finite and at most MAX_DURATION_S either way (a negative duration means "for ever" where allowed)."""
+    seconds = _duration_s(value, key)
+    if not math.isfinite(seconds) or abs(seconds) > MAX_DURATION_S:
+        raise ConfigError(f"{key}: must be finite and at most {MAX_DURATION_S:.0f} seconds (ten years) either way; "
+                          f"use -1 for ever, got {value!r}")
+    return seconds
+
+
+def _duration_s(value: Any, key: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, str):

@@ -75,7 +75,9 @@ def status_line(ctx: ApiContext, reload_error: str | None) -> str:
     text = (f"{ctx.phase}: {len(loaded)} model{'' if len(loaded) == 1 else 's'} loaded "
             f"({', '.join(loaded) or 'none'}); {running} running, {queued} queued, "
             f"{ctx.in_flight} requests in flight")
-    if not engine_alive(ctx.engine, ctx.engine_stall_s):
+    if ctx.engine.failure:
+        text += f"; ENGINE FAILED: {ctx.engine.failure}"
+    elif not engine_alive(ctx.engine, ctx.engine_stall_s):
         text += f"; ENGINE LOOP STALLED for {time.monotonic() - ctx.engine.last_tick_s:.0f}s"
     if reload_error:
         text += f"; config reload FAILED, still serving the previous config: {reload_error}"
@@ -189,7 +191,9 @@ class Reloader:
 def install_test_stall(engine) -> None:
     """TEST ONLY: with GPUSHARE_TEST_STALL_FILE=PATH in the environment, the engine thread sleeps
     after each step for as long as PATH exists, so tests can stall the engine loop and watch the
-    watchdog pings stop, /health fail, and requests wait. Not set: nothing is installed."""
+    watchdog pings stop, /health fail, and requests wait. A PATH that reads "raise" makes the next
+    step's hook raise instead: the engine loop fails for good (engine.py). Not set: nothing is
+    installed."""
     path = os.environ.get(TEST_STALL_ENV)
     if not path:
         return
@@ -197,7 +201,14 @@ def install_test_stall(engine) -> None:
                 TEST_STALL_ENV, path)
 
     def stall_while_file_exists(_engine) -> None:
-        while os.path.exists(path):
+        while True:
+            try:
+                with open(path) as f:
+                    order = f.read().strip()
+            except OSError:  # gone: run on
+                return
+            if order == "raise":
+                raise RuntimeError("test hook: an engine failure outside the model step")
             time.sleep(0.05)
 
     engine.on_step = stall_while_file_exists

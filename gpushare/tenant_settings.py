@@ -56,13 +56,20 @@ def _kv_amount(value: Any, key: str) -> tuple[int, int]:
 
 
 
+def _redacted(value: Any) -> str:
+    """What a value is, never what it says: this section holds secrets, and its errors reach the
+    journal and systemd's STATUS line."""
+    size = f" of length {len(value)}" if isinstance(value, (str, list, dict)) else ""
+    return f"{type(value).__name__} value{size} (not shown)"
+
+
 def _read_api_keys(raw: Any, key: str) -> list[str]:
     if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"{key}: required, a list of keys (plain, or sha256:<64 hex digits>), got {raw!r}")
+        raise ConfigError(f"{key}: required, a list of keys (plain, or sha256:<64 hex digits>), got {_redacted(raw)}")
     digests = []
     for j, k in enumerate(raw):
         if not isinstance(k, str) or not k.strip():
-            raise ConfigError(f"{key}[{j}]: must be a non-empty string, got {k!r}")
+            raise ConfigError(f"{key}[{j}]: must be a non-empty string, got {_redacted(k)}")
         m = _SHA256_KEY_RE.match(k.strip())
         if k.strip().startswith("sha256:") and not m:
             raise ConfigError(f"{key}[{j}]: sha256: must be followed by 64 hex digits")
@@ -122,12 +129,14 @@ def read_tenants(raw: Any, pool_bytes: int) -> list[TenantSettings]:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ConfigError(f"tenants: must be a list of {{name, api_keys, ...}} mappings, got {raw!r}")
+        raise ConfigError(f"tenants: must be a list of {{name, api_keys, ...}} mappings, got {_redacted(raw)}")
     tenants: list[TenantSettings] = []
     key_owner: dict[str, str] = {}
     for i, item in enumerate(raw):
         key = f"tenants[{i}]"
-        t = _read_tenant(expect_mapping(item, key), key)
+        if not isinstance(item, dict):
+            raise ConfigError(f"{key}: must be a mapping {{name, api_keys, ...}}, got {_redacted(item)}")
+        t = _read_tenant(item, key)
         if any(t.name == other.name for other in tenants):
             raise ConfigError(f"{key}.name: duplicate tenant name {t.name!r}")
         for digest in t.api_key_sha256:

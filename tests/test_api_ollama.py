@@ -190,7 +190,7 @@ def test_wrong_types_name_the_field(daemon):
         ({"model": MODEL, "prompt": "hi", "stream": "yes"}, '"stream" must be a boolean'),
         ({"model": MODEL, "prompt": "hi", "keep_alive": "soon"}, '"keep_alive" must be a duration'),
         ({"prompt": "hi"}, '"model" is required'),
-        ({"model": MODEL, "prompt": "hi", "options": {"top_p": 7}}, "top_p must be in (0, 1]"),
+        ({"model": MODEL, "prompt": "hi", "options": {"top_p": 7}}, '"options.top_p" must be in (0, 1]'),
     ]
     for body, message in cases:
         status, err, _ = http("POST", daemon.url + "/api/generate", body)

@@ -48,6 +48,7 @@ def test_unit_declares_the_service_contract():
     assert service["NotifyAccess"] == "main"
     assert service["WatchdogSec"] == "30s"
     assert service["KillMode"] == "mixed"
+    assert service["RuntimeDirectoryPreserve"] == "yes", "MPS pipe folders must outlive a restart"
     assert service["User"] == "gpushare"
     assert service["DevicePolicy"] == "closed"
     assert service["ProtectSystem"] == "strict"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gpushare.api import health, metrics, ollama, openai
+from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
 from gpushare.api.tenants import apply_tenant_settings, tenant_middleware
@@ -13,9 +14,12 @@ MAX_BODY_BYTES = 64 << 20  # long prompts and embedding batches, not uploads
 
 
 def build_app(ctx: ApiContext) -> web.Application:
-    # Outermost first: metrics sees the final status; draining answers 503 before a key is asked for.
-    middlewares = [metrics.metrics_middleware, error_middleware, health.drain_middleware, tenant_middleware]
+    # Outermost first: metrics sees the final status; a foreign page is turned away, and a browser's
+    # preflight answered, before anything else; draining answers 503 before a key is asked for.
+    middlewares = [metrics.metrics_middleware, error_middleware, browser_middleware, health.drain_middleware,
+                   tenant_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app.on_response_prepare.append(add_cors_headers)
     app[CONTEXT] = ctx
     apply_tenant_settings(ctx, ctx.settings)
     ollama.add_routes(app)

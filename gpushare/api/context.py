@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,12 @@ CONTEXT = web.AppKey("gpushare", ApiContext)
 
 def context(request: web.Request) -> ApiContext:
     return request.app[CONTEXT]
+
+
+async def off_loop(fn, *args):
+    """``fn(*args)`` in the default thread pool: templating and tokenising a long prompt must not
+    hold the event loop (other requests' streams, /health) meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 # Prompts are encoded exactly as the offline LLM API does (gpushare/llm.py), so that a

@@ -7,17 +7,23 @@ import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_text
+from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.errors import ApiError, bad_request
-from gpushare.api.streaming import Timings
+from gpushare.api.limits import check_count, check_prompt_chars, limits_of
+from gpushare.api.streaming import Timings, engine_failed
+from gpushare.engine.engine import EngineFailed
 from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.engine.kv_cache import KVCacheBusy
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
                       truncate: bool = True) -> tuple[list[list[float]], Timings]:
-    """One vector per input (text, or token ids); no inputs only loads the model."""
+    """One vector per input (text, or token ids); no inputs only loads the model. At most
+    limits.max_embed_inputs inputs of limits.max_embed_tokens tokens in all."""
     check_keep_alive(request, keep_alive)
+    limits = limits_of(request)
+    check_count("input", len(inputs), "inputs", "max_embed_inputs", limits)
+    check_prompt_chars((item for item in inputs if isinstance(item, str)), "input", limits)
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
@@ -26,8 +32,8 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
             return [], timings
         limit = lease.model.config.context_length - 1  # the engine counts one token to generate
         token_lists = []
-        for i, item in enumerate(inputs):
-            ids = encode_text(lease.model, item) if isinstance(item, str) else item
+        encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
+        for i, ids in enumerate(encoded):
             if not ids:
                 raise bad_request(f"input[{i}] is empty", param="input")
             if len(ids) > limit:
@@ -37,6 +43,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
                 ids = ids[:limit]
             token_lists.append(ids)
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
+        check_count("input", timings.prompt_tokens, "tokens", "max_embed_tokens", limits)
         ticket.charge_tokens(timings.prompt_tokens, timings)
         try:
             vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists, ticket.tenant))
@@ -44,5 +51,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:
             raise ApiError(503, str(e), retry_after_s=1) from None
+        except EngineFailed as e:
+            raise engine_failed(e) from None
         timings.end_s = time.monotonic()
         return vectors, timings

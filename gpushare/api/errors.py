@@ -81,6 +81,7 @@ async def error_middleware(request: web.Request, handler):
             raise
         message = f"{request.method} {request.path}: {e.reason.lower()}"
         return error_response(request.path, ApiError(e.status, message))
-    except Exception as e:  # a bug; the client still gets JSON, the log gets the traceback
+    except Exception:  # a bug; the client gets JSON without its details (they may name files or other
+        # requests' data), the log gets the traceback
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(request.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        return error_response(request.path, ApiError(500, "internal error; the daemon's log has the details"))

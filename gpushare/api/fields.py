@@ -8,7 +8,11 @@ from typing import Any, Callable
 from aiohttp import web
 
 from gpushare.api.errors import bad_request
+from gpushare.api.limits import check_count, check_prompt_chars, json_depth_over, limits_of
 from gpushare.config import ConfigError, parse_duration_s
+from gpushare.config_values import MAX_DURATION_S
+
+JSON_BODY = "gpushare.json_body"  # request key: the body read_json_object parsed (metrics labels refusals by it)
 
 _KINDS = {
     "string": (str,),
@@ -21,16 +25,24 @@ _KINDS = {
 
 
 async def read_json_object(request: web.Request) -> dict:
-    """The body as a JSON object, or 400 saying why it is not one."""
+    """The body as a JSON object, or 400 saying why it is not one (nested too deep included)."""
     raw = await request.read()
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object")
+    max_depth = limits_of(request).max_json_depth
+    too_deep = bad_request(f"request body nests JSON deeper than the limit of {max_depth} levels "
+                           f"(limits.max_json_depth)")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"invalid JSON in request body: {e}") from None
+    except RecursionError:
+        raise too_deep from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
+    if json_depth_over(body, max_depth):
+        raise too_deep
+    request[JSON_BODY] = body
     return body
 
 
@@ -88,9 +100,11 @@ def reject_unsupported(body: dict, unsupported: dict[str, str]) -> None:
             raise bad_request(f'"{key}" {why}', param=key)
 
 
-def message_list(messages: list, roles: dict[str, str], content: Callable[[dict, str], str]) -> list[dict]:
+def message_list(messages: list, roles: dict[str, str], content: Callable[[dict, str], str], limits) -> list[dict]:
     """Chat messages as ``{"role", "content"}``; ``roles`` maps the dialect's roles onto the chat
-    template's, ``content(message, where)`` reads one message's text (or raises the dialect's 400)."""
+    template's, ``content(message, where)`` reads one message's text (or raises the dialect's 400).
+    At most ``limits.max_messages`` messages of ``limits.max_prompt_chars`` characters in all."""
+    check_count("messages", len(messages), "messages", "max_messages", limits)
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -100,6 +114,7 @@ def message_list(messages: list, roles: dict[str, str], content: Callable[[dict,
         if role not in roles:
             raise bad_request(f'"{where}.role" must be one of {", ".join(roles)}, got {role!r}', param=where + ".role")
         out.append({"role": roles[role], "content": content(m, where)})
+    check_prompt_chars((m["content"] for m in out), "messages", limits)
     return out
 
 
@@ -111,7 +126,8 @@ def keep_alive_s(body: dict) -> float | None:
     try:
         return parse_duration_s(value, "keep_alive")
     except ConfigError:
-        raise bad_request(f'"keep_alive" must be a duration like "5m" or a number of seconds, got {json.dumps(value)}',
+        raise bad_request(f'"keep_alive" must be a duration like "5m" or a number of seconds, finite and at most '
+                          f'{MAX_DURATION_S:.0f} (ten years; -1 for ever), got {json.dumps(value)}',
                           param="keep_alive") from None
 
 

@@ -4,7 +4,8 @@
 refreshes `last_tick_s` every turn, also when idle), 503 once the loop has been silent
 for `ApiContext.engine_stall_s`: a load balancer or kubelet restarts a wedged daemon.
 /ready answers 200 only while serving; 503 while starting (preloads) or draining, so
-traffic moves elsewhere before the daemon stops. Both answer JSON and are never refused.
+traffic moves elsewhere before the daemon stops, and once the engine loop has failed for good
+(both then name the failure). Both answer JSON and are never refused.
 
 While draining (after SIGTERM) every other request gets 503 with `Retry-After`, in the
 dialect of its path; requests already in flight run on. The middleware also counts
@@ -25,22 +26,32 @@ DRAIN_RETRY_AFTER_S = 5
 
 
 def engine_alive(engine, stall_s: float) -> bool:
-    """The engine thread runs and its loop turned within the last `stall_s` seconds."""
-    return engine.alive() and time.monotonic() - engine.last_tick_s < stall_s
+    """The engine thread runs, has not failed, and its loop turned within the last `stall_s` seconds.
+
+    A failing loop sets ``failure`` before it ends the streams and before its thread exits: a
+    client that sees its stream end with the error then sees the engine down here too."""
+    return engine.alive() and not engine.failure and time.monotonic() - engine.last_tick_s < stall_s
 
 
 async def health(request: web.Request) -> web.Response:
     ctx = context(request)
     silent_s = time.monotonic() - ctx.engine.last_tick_s
     alive = engine_alive(ctx.engine, ctx.engine_stall_s)
-    body = {"status": "ok" if alive else "engine stalled" if ctx.engine.alive() else "engine stopped",
-            "engine_last_tick_s_ago": round(silent_s, 3)}
+    stalled = ctx.engine.alive() and not ctx.engine.failure
+    body = {"status": "ok" if alive else "engine stalled" if stalled else "engine stopped",
+            "engine_last_tick_s_ago": round(silent_s, 3), **_failure(ctx.engine)}
     return web.json_response(body, status=200 if alive else 503)
 
 
+def _failure(engine) -> dict:
+    return {"error": engine.failure} if engine.failure else {}
+
+
 async def ready(request: web.Request) -> web.Response:
-    phase = context(request).phase
-    return web.json_response({"status": phase}, status=200 if phase == "serving" else 503)
+    ctx = context(request)
+    if ctx.engine.failure:
+        return web.json_response({"status": "engine failed", **_failure(ctx.engine)}, status=503)
+    return web.json_response({"status": ctx.phase}, status=200 if ctx.phase == "serving" else 503)
 
 
 @web.middleware

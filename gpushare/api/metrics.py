@@ -30,13 +30,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpushare.api.context import ApiContext, context
-from gpushare.api.tenants import TENANT, check_admin
+from gpushare.api.fields import JSON_BODY
+from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.sequence import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
 
-INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
-                             "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 LOAD_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -232,13 +231,15 @@ class StateCollector:
 METRICS = web.AppKey("gpushare.metrics", Metrics)
 
 
-async def _model_named_in_body(request: web.Request, ctx: ApiContext) -> str:
+def _model_named_in_body(request: web.Request, ctx: ApiContext) -> str:
     """The known model the request body names, for requests refused before reaching one ("" if none).
-    Only names the registry knows become labels: arbitrary client strings would grow the series."""
+    Only a body the handler already parsed is looked at: a request refused before (401, 403, 415) is
+    not worth parsing up to 64 MiB for a label. Only names the registry knows become labels:
+    arbitrary client strings would grow the series."""
+    name = request.get(JSON_BODY, {}).get("model")
     try:
-        name = (await request.json()).get("model")
         return ctx.registry.find(name).name if isinstance(name, str) else ""
-    except (ValueError, AttributeError, ModelNotFound, web.HTTPException):
+    except ModelNotFound:
         return ""
 
 
@@ -262,7 +263,7 @@ async def metrics_middleware(request: web.Request, handler):
         tenant = request.get(TENANT)
         record.tenant = record.tenant or (tenant.name if tenant is not None else "")
         if not record.model and status is not None:
-            record.model = await _model_named_in_body(request, context(request))
+            record.model = _model_named_in_body(request, context(request))
         request.app[METRICS].observe_request(record, record.outcome(status))
 
 

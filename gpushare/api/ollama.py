@@ -14,18 +14,20 @@ import asyncio
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_chat, encode_text
+from gpushare.api.context import context, encode_chat, encode_text, off_loop
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
+from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
-from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, tenant_rows, visible
+from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows, visible
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
@@ -35,6 +37,10 @@ ROLES = {role: role for role in ("system", "user", "assistant", "tool")}
 # Options we take, with their Ollama defaults; other Ollama options (num_gpu, mirostat, ...)
 # are llama.cpp-specific and ignored.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+# Engine names of sampling fields -> where an Ollama request sets them (for 400 messages).
+FIELD_NAMES = {name: "options." + name for name in ("temperature", "top_k", "top_p", "min_p", "seed", "stop",
+                                                    "presence_penalty", "frequency_penalty")}
+FIELD_NAMES.update(repetition_penalty="options.repeat_penalty", max_tokens="options.num_predict")
 UNSUPPORTED = {
     "format": "(structured output) is not supported",
     "images": "is not supported: no vision models",
@@ -56,7 +62,7 @@ def rfc3339(epoch_s: float) -> str:
 
 # ---------------------------------------------------------------------------- request parsing
 
-def sampling_from_options(body: dict):
+def sampling_from_options(body: dict, limits):
     """SamplingParams from Ollama's `options`; also returns num_ctx (None if unset)."""
     options = field(body, "options", "object", {})
     p = "options."
@@ -72,6 +78,7 @@ def sampling_from_options(body: dict):
         "frequency_penalty": field(options, "frequency_penalty", "number", prefix=p),
         "stop": string_list(options, "stop", prefix=p),
     }
+    check_stop(values["stop"], p + "stop", limits)
     for key, default in OLLAMA_DEFAULTS.items():
         if values[key] is None:
             values[key] = default
@@ -91,8 +98,8 @@ def _message_content(m: dict, where: str) -> str:
     return field(m, "content", "string", "", prefix=where + ".")
 
 
-def parse_messages(body: dict) -> list[dict]:
-    return message_list(field(body, "messages", "array", []), ROLES, _message_content)
+def parse_messages(body: dict, limits) -> list[dict]:
+    return message_list(field(body, "messages", "array", []), ROLES, _message_content, limits)
 
 
 # ---------------------------------------------------------------------------- shared flow
@@ -116,7 +123,7 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
 
 async def _generate(request: web.Request, body: dict, model: str, make_prompt, piece, empty) -> web.StreamResponse:
     """Run one generation; `make_prompt(loaded_model)` -> token ids; `piece(text)` -> the reply part."""
-    values, max_tokens, num_ctx = sampling_from_options(body)
+    values, max_tokens, num_ctx = sampling_from_options(body, limits_of(request))
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
     stream = field(body, "stream", "boolean", True)
@@ -124,11 +131,11 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
         timings.load_s = lease.load_duration_s
-        prompt_ids = make_prompt(lease.model)
+        prompt_ids = await off_loop(make_prompt, lease.model)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
         # Ollama never fails on num_predict: generation stops at the context.
         max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
-        params = make_sampling_params(max_tokens=max_tokens, **values)
+        params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, **values)
         ticket.charge_tokens(len(prompt_ids) + max_tokens, timings)
         timings.submit_s = time.monotonic()
         base = {"model": model}
@@ -164,6 +171,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompt = field(body, "prompt", "string", "")
     system = field(body, "system", "string", "")
     raw = field(body, "raw", "boolean", False)
+    check_prompt_chars((prompt, system), "prompt", limits_of(request))
     if not prompt:
         return await _load_or_unload(request, model, keep_alive_s(body), {"response": ""})
 
@@ -180,7 +188,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     model = required_string(body, "model")
     reject_unsupported(body, UNSUPPORTED)
-    messages = parse_messages(body)
+    messages = parse_messages(body, limits_of(request))
     if not messages:
         return await _load_or_unload(request, model, keep_alive_s(body),
                                      {"message": {"role": "assistant", "content": ""}})
@@ -265,8 +273,10 @@ async def show(request: web.Request) -> web.Response:
     registry = context(request).registry
     source = registry.find(name)
     desc = await registry.describe(source.name)
+    # Where the node keeps its files is the operator's business: other tenants see the file name only.
+    path = source.path if is_admin(request) else os.path.basename(source.path)
     return web.json_response({
-        "modelfile": f"# gpushare model {source.name}\nFROM {source.path}\n",
+        "modelfile": f"# gpushare model {source.name}\nFROM {path}\n",
         "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
         "capabilities": ["completion"], "modified_at": rfc3339(source.modified_at()),
         "weights": await registry.weight_format(source.name),

@@ -15,10 +15,11 @@ import uuid
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_chat, encode_text
+from gpushare.api.context import context, encode_chat, encode_text, off_loop
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
+from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.tenants import admit, check_model, visible
@@ -44,7 +45,9 @@ def _reject_unsupported(body: dict) -> None:
                           param="response_format")
 
 
-def sampling_values(body: dict, default_max_tokens: int | None) -> dict:
+def sampling_values(body: dict, default_max_tokens: int | None, limits) -> dict:
+    stop = string_list(body, "stop")
+    check_stop(stop, "stop", limits)
     max_tokens = field(body, "max_completion_tokens", "integer")
     if max_tokens is None:
         max_tokens = field(body, "max_tokens", "integer", default_max_tokens)
@@ -59,7 +62,7 @@ def sampling_values(body: dict, default_max_tokens: int | None) -> dict:
         "frequency_penalty": field(body, "frequency_penalty", "number"),
         "repetition_penalty": field(body, "repetition_penalty", "number"),
         "ignore_eos": field(body, "ignore_eos", "boolean"),
-        "stop": string_list(body, "stop"),
+        "stop": stop,
     }
 
 
@@ -78,18 +81,19 @@ def _message_content(m: dict, where: str) -> str:
     raise bad_request(f'"{where}.content" must be a string or an array of text parts', param=f"{where}.content")
 
 
-def parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict, limits) -> list[dict]:
     messages = field(body, "messages", "array")
     if not messages:
         raise bad_request('"messages" is required and must not be empty', param="messages")
-    return message_list(messages, ROLES, _message_content)
+    return message_list(messages, ROLES, _message_content, limits)
 
 
-def parse_prompt(body: dict) -> str | list[int]:
+def parse_prompt(body: dict, limits) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
+        check_prompt_chars([prompt], "prompt", limits)
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
@@ -110,14 +114,14 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
                     chat: bool) -> web.StreamResponse:
     model = required_string(body, "model")
     _reject_unsupported(body)
-    values = sampling_values(body, default_max_tokens)
+    values = sampling_values(body, default_max_tokens, limits_of(request))
     stream = field(body, "stream", "boolean", False)
     include_usage = stream and field(field(body, "stream_options", "object", {}), "include_usage", "boolean", False,
                                      prefix="stream_options.")
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
-        prompt_ids = make_prompt(lease.model)
+        prompt_ids = await off_loop(make_prompt, lease.model)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids)
         # A default never overflows the context; an explicit max_tokens that does is a 400, as in vLLM.
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
@@ -167,13 +171,13 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
-    messages = parse_messages(body)
+    messages = parse_messages(body, limits_of(request))
     return await _complete(request, body, lambda model: encode_chat(model, messages), None, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
-    prompt = parse_prompt(body)
+    prompt = parse_prompt(body, limits_of(request))
 
     def make_prompt(model):
         return encode_text(model, prompt) if isinstance(prompt, str) else prompt

@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
 
+from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
+from gpushare.engine.engine import EngineFailed
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import DEFAULT_TENANT
+
+log = logging.getLogger("gpushare.api")
+# A stream's kernel send buffer. Left to autotuning it grows to net.ipv4.tcp_wmem's maximum (4 MiB,
+# some 18,000 chunks): a client that stops reading would then stall no write, and hold its tenant
+# slot, until its whole answer had been generated. Token streams need little: 256 KiB is seconds of
+# output even on a slow link.
+STREAM_SEND_BUFFER_BYTES = 256 << 10
 
 
 class EngineStream:
@@ -37,6 +48,8 @@ class EngineStream:
             self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant)
         except ValueError as e:
             raise bad_request(str(e)) from None
+        except EngineFailed as e:
+            raise engine_failed(e) from None
         except KeyError:  # unloaded between the lease and the submit: only while the daemon stops
             raise ApiError(503, f'model "{model_name}" was unloaded; retry', retry_after_s=1) from None
 
@@ -119,14 +132,22 @@ def usable_context(engine, model_name: str, context_length: int, prompt_ids: lis
     return min(context, pool_tokens)
 
 
-def make_sampling_params(**kwargs) -> SamplingParams:
-    """SamplingParams from already type-checked values (None = the engine default); 400 on a bad range."""
+def make_sampling_params(field_names: dict[str, str] | None = None, **kwargs) -> SamplingParams:
+    """SamplingParams from already type-checked values (None = the engine default); 400 on a bad range,
+    naming the field as the client wrote it (``field_names`` maps engine names onto the dialect's)."""
     params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     try:
         params.validate()
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        name, _, rest = str(e).partition(" ")  # validate() starts each message with the field's name
+        shown = (field_names or {}).get(name, name)
+        raise bad_request(f'"{shown}" {rest}', param=shown) from None
     return params
+
+
+def engine_failed(e: EngineFailed) -> ApiError:
+    """503: the engine loop failed for good; only a restart brings it back."""
+    return ApiError(503, f"the engine is down: {e}", code="engine_failed")
 
 
 def finish_error(out: RequestOutput) -> ApiError | None:
@@ -169,8 +190,14 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
     Headers go out with the first output, so a request that fails before producing
     anything still gets a plain HTTP error; one that fails later ends its stream with an
     error object, as Ollama does. A client that goes away makes a write fail, and leaving
-    the caller's `with EngineStream` then cancels the request.
+    the caller's `with EngineStream` then cancels the request. So does a client that stops
+    reading: a write that cannot finish within server.write_timeout (the socket's buffers
+    stay full) drops the connection, and with it the tenant slot and model lease it held.
     """
+    write_timeout_s = context(request).settings.server.write_timeout_s
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream" if fmt.sse else "application/x-ndjson",
         "Cache-Control": "no-cache",
@@ -178,7 +205,8 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
 
     async def send(obj: dict) -> None:
         data = json.dumps(obj, ensure_ascii=False)
-        await response.write((f"data: {data}\n\n" if fmt.sse else data + "\n").encode())
+        await asyncio.wait_for(response.write((f"data: {data}\n\n" if fmt.sse else data + "\n").encode()),
+                               write_timeout_s)
 
     try:
         async for out in stream:
@@ -203,4 +231,9 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
         await response.write_eof()
     except ConnectionResetError:
         pass  # the client left; the caller's `with EngineStream` cancels the request
+    except asyncio.TimeoutError:  # the client stopped reading: drop it, as if it had left
+        log.warning("%s %s: the client read nothing for %gs; dropping its stream", request.method, request.path,
+                    write_timeout_s)
+        if request.transport is not None:
+            request.transport.abort()
     return response

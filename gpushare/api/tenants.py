@@ -46,6 +46,8 @@ from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
+INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+                             "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
 
@@ -130,25 +132,32 @@ class TenantState:
                 self.running += 1
                 waiter.set_result(None)
 
-    async def acquire(self) -> None:
-        """Take a request slot: at once, after waiting in the queue, or a 429 that names the limit."""
+    def refusal(self) -> ApiError | None:
+        """The 429 a new request would get now (over its rate, or no slot and a full queue), else None."""
         if self.request_bucket is not None:
             wait_s = self.request_bucket.wait_s(1)
             if wait_s > 0:
-                raise too_many(f'tenant "{self.name}" is over its rate limit of '
-                               f"{self.settings.requests_per_s:g} requests per second (requests_per_s); "
-                               f"retry in {_retry_after(wait_s)}s", "requests_per_s", wait_s)
+                return too_many(f'tenant "{self.name}" is over its rate limit of '
+                                f"{self.settings.requests_per_s:g} requests per second (requests_per_s); "
+                                f"retry in {_retry_after(wait_s)}s", "requests_per_s", wait_s)
+        if (self.waiters or not self._has_slot()) and len(self.waiters) >= self.max_queued:
+            limit = self.settings.max_concurrent
+            if self.max_queued == 0:
+                return too_many(f'tenant "{self.name}" is at its max_concurrent limit of {limit} running '
+                                f"requests, with no queue (max_queued 0); retry when one ends", "max_concurrent", 1)
+            return too_many(f'tenant "{self.name}" is at its max_queued limit of {self.max_queued} queued requests '
+                            f"(beyond max_concurrent {limit} running); retry when one ends", "max_queued", 1)
+        return None
+
+    async def acquire(self) -> None:
+        """Take a request slot: at once, after waiting in the queue, or a 429 that names the limit."""
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
         if not self.waiters and self._has_slot():
             self._take_request()
             self.running += 1
             return
-        if len(self.waiters) >= self.max_queued:
-            limit = self.settings.max_concurrent
-            if self.max_queued == 0:
-                raise too_many(f'tenant "{self.name}" is at its max_concurrent limit of {limit} running '
-                               f"requests, with no queue (max_queued 0); retry when one ends", "max_concurrent", 1)
-            raise too_many(f'tenant "{self.name}" is at its max_queued limit of {self.max_queued} queued requests '
-                           f"(beyond max_concurrent {limit} running); retry when one ends", "max_queued", 1)
         self._take_request()
         waiter = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
@@ -265,7 +274,13 @@ def gate_of(target: ApiContext | web.Application | web.Request) -> TenantGate:
 async def tenant_middleware(request: web.Request, handler):
     """Identify the tenant of every request but the open paths (401 when it cannot be)."""
     if request.path not in OPEN_PATHS:
-        request[TENANT] = gate_of(request).identify(presented_key(request))
+        state = request[TENANT] = gate_of(request).identify(presented_key(request))
+        if request.method == "POST" and request.path in INFERENCE_PATHS:
+            # Refused before its body is read: a tenant's flood of 429s costs no body read or JSON
+            # parse, work that competes with the engine for the GIL (acquire() checks again).
+            refused = state.refusal()
+            if refused is not None:
+                raise refused
     return await handler(request)
 
 
@@ -288,17 +303,26 @@ def check_model(request: web.Request, model: str) -> None:
                        code="model_not_allowed")
 
 
+def is_admin(request: web.Request) -> bool:
+    """No tenants configured (everyone is the operator), or the request's tenant is an admin."""
+    return not gate_of(request).enabled or tenant_of(request).settings.admin
+
+
 def check_admin(request: web.Request, action: str) -> None:
     """With tenants configured, only an admin tenant may change what the node serves for everyone."""
-    state = tenant_of(request)
-    if gate_of(request).enabled and not state.settings.admin:
-        raise ApiError(403, f'tenant "{state.name}" may not {action}: it needs admin: true', code="admin_only")
+    if not is_admin(request):
+        name = tenant_of(request).name
+        raise ApiError(403, f'tenant "{name}" may not {action}: it needs admin: true', code="admin_only")
 
 
 def check_keep_alive(request: web.Request, keep_alive_s: float | None) -> None:
-    """keep_alive 0 unloads the model for every tenant, so with tenants only an admin may send it."""
+    """keep_alive 0 unloads the model for every tenant, and a very short one nearly does, so with tenants
+    only an admin may send one below server.min_keep_alive (negative, "for ever", is fine)."""
     if keep_alive_s == 0:
         check_admin(request, "unload models (keep_alive 0)")
+    floor_s = context(request).settings.server.min_keep_alive_s
+    if keep_alive_s is not None and 0 < keep_alive_s < floor_s:
+        check_admin(request, f"set keep_alive below {floor_s:g}s (server.min_keep_alive)")
 
 
 def visible(request: web.Request, names) -> list[str]:

@@ -6,6 +6,12 @@ Each loop turn runs one step of one model; models with work share steps by weigh
 New prompts of a tenant that the admission order puts ahead of every other running tenant (higher
 priority, or not above its fair share) get a step of their own, before the next step or between
 two layers of the one in flight, so another tenant's flood does not delay their first token.
+
+Failures stay with the requests they touch: a failed step fails its batch, a failure on one
+sequence (its sampling, its text) fails that sequence, a failed inbox item its own request. An
+error that escapes all of these leaves the engine's state in doubt: the loop then stops for good,
+ends every pending request with an error, and ``submit`` and ``embed`` raise EngineFailed
+(``failure`` says why), so /health, /ready and the systemd watchdog report a dead engine.
 """
 
 import logging
@@ -22,7 +28,7 @@ import torch
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
 from gpushare.engine.kv_cache import BlockPool, KVCacheBusy, kv_bytes_per_block
 from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.sampling import SamplingFailure, SamplingParams
 from gpushare.engine.request_checks import new_sequence
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
@@ -30,6 +36,10 @@ from gpushare.engine.tenants import TenantLedger, TenantPolicy, TenantStats
 from gpushare.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """The engine loop stopped after an internal error and takes no more requests."""
 
 
 @dataclass
@@ -95,6 +105,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._pinned = threading.Event()
         self._stopping = False
+        self.failure: str | None = None  # why the loop stopped for good; set once, on the engine thread
+        self._inbox_lock = threading.Lock()  # orders submits against the final drain of a failed loop
 
     # ---- public, thread-safe -------------------------------------------------------------
     def start(self) -> None:
@@ -180,7 +192,7 @@ class Engine:
             raise KeyError(f"model {model_name!r} is not loaded")
         seq = new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, prompt_ids, params,
                            on_output, request_id, tenant)
-        self._inbox.put(("submit", seq))
+        self._put_work(("submit", seq))
         return seq.request_id
 
     def cancel(self, request_id: str) -> None:
@@ -195,8 +207,14 @@ class Engine:
         params = SamplingParams(max_tokens=1)
         seqs = [new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, ids, params,
                              lambda out: None, None, tenant) for ids in inputs]
-        self._inbox.put(("embed", model_name, seqs, future))
+        self._put_work(("embed", model_name, seqs, future))
         return future
+
+    def _put_work(self, item) -> None:
+        with self._inbox_lock:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
+            self._inbox.put(item)
 
     def has_work(self, model_name: str | None = None) -> bool:
         workers = [self.workers[model_name]] if model_name in self.workers else (
@@ -231,12 +249,45 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         self._pinned.set()
         while not self._stopping:
-            self.last_tick_s = time.monotonic()
-            self._drain_inbox(block=not self.has_work())
-            self._run_urgent_prompts()
-            worker = self._pick_worker()
-            if worker is not None:
-                self._step(worker)
+            try:
+                self.last_tick_s = time.monotonic()
+                self._drain_inbox(block=not self.has_work())
+                self._run_urgent_prompts()
+                worker = self._pick_worker()
+                if worker is not None:
+                    self._step(worker)
+            except Exception as e:
+                log.exception("the engine loop failed; it stops and fails every pending request")
+                self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
+                                      f"restart the daemon")
+                return
+
+    def _fail_everything(self, reason: str) -> None:
+        """End every pending request with ``reason`` and refuse new ones (the loop is about to exit)."""
+        with self._inbox_lock:
+            self.failure = reason
+        for worker in list(self.workers.values()):
+            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
+                self.requests.pop(seq.request_id, None)
+                self._emit(seq, self._output(seq, [], True, "error", reason))
+        for seq in list(self.requests.values()):  # taken in but never scheduled
+            self._emit(seq, self._output(seq, [], True, "error", reason))
+        self.requests.clear()
+        items, self._deferred = self._deferred, []
+        while not self._inbox.empty():
+            items.append(self._inbox.get_nowait())
+        for item in items:
+            self._fail_item(item, reason)
+
+    def _fail_item(self, item, reason: str) -> None:
+        """Answer an inbox item that will not be handled: its request ends with ``reason``."""
+        kind = item[0]
+        if kind == "submit":
+            self._emit(item[1], self._output(item[1], [], True, "error", reason))
+        elif kind in ("embed", "call"):
+            future = item[3] if kind == "embed" else item[2]
+            if not future.done():
+                future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
         deferred, self._deferred = self._deferred, []
@@ -256,6 +307,15 @@ class Engine:
                 return
 
     def _handle(self, item) -> None:
+        try:
+            self._handle_item(item)
+        except Exception as e:  # the item's own request fails, not the loop
+            log.exception("engine: handling a %s failed", item[0])
+            if item[0] == "submit":
+                self.requests.pop(item[1].request_id, None)
+            self._fail_item(item, f"the engine could not take this request in: {type(e).__name__}: {e}")
+
+    def _handle_item(self, item) -> None:
         kind = item[0]
         if kind == "submit":
             seq = item[1]
@@ -288,7 +348,13 @@ class Engine:
         return min(busy, key=lambda w: w.virtual_steps, default=None)
 
     def _step(self, worker: ModelWorker) -> None:
-        batch = worker.scheduler.schedule()
+        try:
+            batch = worker.scheduler.schedule()
+        except Exception as e:  # this model's requests fail; other models go on
+            log.exception("engine: scheduling failed for model %s", worker.name)
+            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
+                self._finish(worker, seq, "error", error=f"engine scheduling failed: {type(e).__name__}: {e}")
+            return
         if batch.seqs:
             self._run_step(worker, batch)
 
@@ -299,18 +365,18 @@ class Engine:
             while not runner.advance(step, self._inbox_has_items):
                 self._pause()
             sampled = runner.complete(step)
+            worker.scheduler.after_step(batch)
         except Exception as e:  # a failed step fails its batch, never the engine
             log.exception("engine step failed for model %s", worker.name)
             for seq in batch.seqs:
                 self._finish(worker, seq, "error", error=f"engine step failed: {e}")
             return
-        worker.scheduler.after_step(batch)
         worker.steps += 1
         worker.virtual_steps += 1 / worker.share_weight
         self.steps += 1
         worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
         for seq, token in sampled:
-            self._advance(worker, seq, token)
+            self._advance_one(worker, seq, token)
         if self.on_step is not None:
             self.on_step(self)
 
@@ -346,6 +412,17 @@ class Engine:
             batch = worker.scheduler.schedule_urgent(urgent)
             if batch.seqs:
                 self._run_step(worker, batch)
+
+    def _advance_one(self, worker: ModelWorker, seq: Sequence, token: int | SamplingFailure) -> None:
+        """Give ``seq`` its new token; a failure on this sequence (sampling, text) ends it alone."""
+        if isinstance(token, SamplingFailure):
+            self._finish(worker, seq, "error", error=token.message)
+            return
+        try:
+            self._advance(worker, seq, token)
+        except Exception as e:
+            log.exception("engine: request %s failed after its step", seq.request_id)
+            self._finish(worker, seq, "error", error=f"{type(e).__name__}: {e}")
 
     def _advance(self, worker: ModelWorker, seq: Sequence, token: int) -> None:
         if seq.first_token_time_s is None:
@@ -383,26 +460,34 @@ class Engine:
         except Exception:  # a broken consumer must not stop the engine
             log.exception("on_output callback failed for request %s", seq.request_id)
 
-    def _embed(self, model_name: str, seqs: list[Sequence], future: Future) -> None:
+    def _embed(self, model_name: str, seqs: list[Sequence], future: Future, done: tuple = ()) -> None:
+        """One input per loop turn (the rest goes back to the inbox), so generation steps run between
+        the inputs of a large embedding request."""
         worker = self.workers.get(model_name)
         if worker is None:
             future.set_exception(KeyError(f"model {model_name!r} is not loaded"))
             return
+        if not seqs:
+            future.set_result([])
+            return
         pool = worker.scheduler.pool
-        vectors = []
+        seq = seqs[0]
         try:
-            for seq in seqs:
-                # An input borrows blocks, charged to its tenant, for one forward pass; preemption
-                # for it follows the same rules as for a prompt.
-                while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
-                    victim = worker.scheduler.victim(seq, refused)
-                    if victim is seq:
-                        raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
-                    worker.scheduler.preempt(victim)
-                try:
-                    vectors.append(worker.runner.embed(seq))
-                finally:
-                    pool.release(seq.block_table, seq.tenant)
-            future.set_result(vectors)
+            # An input borrows blocks, charged to its tenant, for one forward pass; preemption
+            # for it follows the same rules as for a prompt.
+            while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
+                victim = worker.scheduler.victim(seq, refused)
+                if victim is seq:
+                    raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
+                worker.scheduler.preempt(victim)
+            try:
+                vectors = (*done, worker.runner.embed(seq))
+            finally:
+                pool.release(seq.block_table, seq.tenant)
         except Exception as e:
             future.set_exception(e)
+            return
+        if len(seqs) > 1:
+            self._deferred.append(("embed", model_name, seqs[1:], future, vectors))
+        else:
+            future.set_result(list(vectors))

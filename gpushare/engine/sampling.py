@@ -1,10 +1,26 @@
-"""SamplingParams, the batched sampler (penalties, temperature, top-k/top-p/min-p, seeds), prompt logprobs."""
+"""SamplingParams, the batched sampler (penalties, temperature, top-k/top-p/min-p, seeds), prompt logprobs.
 
+Ranges are bounded so that no accepted value pushes logits to +-inf, and a row that still fails
+(non-finite probabilities) yields a ``SamplingFailure`` for that row alone: one request's odd
+parameters never fail the other sequences of its batch.
+"""
+
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 MAX_PROMPT_LOGPROBS = 20
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by less overflows; the answer is the argmax anyway
+MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float precision
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits (|x| < 1e4) times or over 100 stay far from float32's limit
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
+@dataclass
+class SamplingFailure:
+    """Why one row could not be sampled; the engine ends that sequence with this error."""
+    message: str
 
 
 @dataclass
@@ -27,16 +43,17 @@ class SamplingParams:
         """Raise ValueError naming the first bad field."""
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
@@ -44,15 +61,15 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def penalised(self) -> bool:
@@ -88,24 +105,35 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, rows: list) -> list[int]:
+def _sample_row(row: torch.Tensor, params: SamplingParams, prompt_ids, output_ids, generator) -> int:
+    if params.penalised:
+        apply_penalties(row, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(row.argmax())
+    probs = _filter(row, params)
+    # Checked here, not left to multinomial: on CUDA a bad distribution can be a device-side assert,
+    # which would poison the context for every request. A NaN or inf anywhere makes the sum one.
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0:
+        raise ValueError("the sampling parameters left no finite probabilities")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, rows: list) -> list[int | SamplingFailure]:
     """Pick one token per row. ``rows[i]`` is (params, prompt_ids, output_ids, generator or None).
 
-    Each seeded row draws from its own generator, so its text does not depend on the batch.
+    Each seeded row draws from its own generator, so its text does not depend on the batch. A row
+    that cannot be sampled gets a SamplingFailure; the other rows are sampled as if it were absent.
     """
     greedy = all(params.greedy and not params.penalised for params, *_ in rows)
     if greedy:
         return logits.argmax(dim=-1).tolist()
-    tokens = []
+    tokens: list[int | SamplingFailure] = []
     for i, (params, prompt_ids, output_ids, generator) in enumerate(rows):
-        row = logits[i].clone()
-        if params.penalised:
-            apply_penalties(row, params, prompt_ids, output_ids)
-        if params.greedy:
-            tokens.append(int(row.argmax()))
-            continue
-        probs = _filter(row, params)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+        try:
+            tokens.append(_sample_row(logits[i].clone(), params, prompt_ids, output_ids, generator))
+        except (RuntimeError, ValueError) as e:  # torch reports bad distributions as RuntimeError
+            tokens.append(SamplingFailure(f"sampling failed: {e}"))
     return tokens
 
 

@@ -3,6 +3,10 @@
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm")
+# Bounds on the numbers a model file states, checked before anything is sized by them (rope tables
+# by context_length, layers by num_layers): far above any real model, far below a crafted file's 2**63.
+LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_layers": 1024,
+          "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024, "context_length": 1 << 22}
 
 
 @dataclass
@@ -25,6 +29,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        for name, limit in LIMITS.items():
+            value = getattr(self, name)
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} {value} is out of range (1 to {limit})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 

@@ -2,6 +2,10 @@
 
 gguf's own reader builds a numpy view per array element, which takes seconds on a 49k-token
 vocabulary; walking the header with ``struct`` takes a few hundred milliseconds.
+
+A crafted file must not make the reader allocate far more than the file holds: metadata values
+are capped in number (a string or an empty array costs a few bytes of file but a Python object),
+and tensor sizes are computed exactly and checked against the file.
 """
 
 import struct
@@ -17,6 +21,8 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+MAX_METADATA_VALUES = 1 << 24  # 16M: large vocabularies (256k tokens, scores, types, 500k merges) fit many times
+MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass
@@ -41,8 +47,15 @@ class TensorInfo:
 
 
 class _Cursor:
-    def __init__(self, buf):
+    def __init__(self, buf, max_values: int):
         self.buf, self.pos = buf, 0
+        self.values_left = max_values
+
+    def _count(self, n: int) -> None:
+        self.values_left -= n
+        if self.values_left < 0:
+            raise ValueError("the metadata holds more values than a model's header can "
+                             f"(at most {MAX_METADATA_VALUES:,}); refusing to read it")
 
     def scalar(self, fmt: str):
         value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
@@ -60,6 +73,9 @@ class _Cursor:
             return self.string()
         if kind == _ARRAY:
             item_kind, count = self.scalar("I"), self.scalar("Q")
+            if count > len(self.buf) - self.pos:  # every item takes at least one byte of the file
+                raise ValueError(f"a metadata array claims {count} items, more than the file holds")
+            self._count(count)
             if item_kind in _NUMPY:
                 width = np.dtype(_NUMPY[item_kind]).itemsize
                 items = np.frombuffer(self.buf, _NUMPY[item_kind], count, self.pos).tolist()
@@ -71,10 +87,10 @@ class _Cursor:
         return self.scalar(_SCALARS[kind])
 
 
-def read_gguf_file(path: str) -> tuple[dict, list[TensorInfo]]:
+def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[dict, list[TensorInfo]]:
     """(metadata, tensors); raises ValueError (or struct.error) on a malformed or truncated file."""
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mm))
+    cur = _Cursor(memoryview(mm), max_values)
     if bytes(cur.buf[:4]) != MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
     cur.pos = 4
@@ -84,20 +100,32 @@ def read_gguf_file(path: str) -> tuple[dict, list[TensorInfo]]:
     num_tensors, num_fields = cur.scalar("Q"), cur.scalar("Q")
     meta = {}
     for _ in range(num_fields):
+        cur._count(1)
         key = cur.string()
         meta[key] = cur.value(cur.scalar("I"))
     infos = []
     for _ in range(num_tensors):
+        cur._count(1)
         name = cur.string()
-        shape = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        ndims = cur.scalar("I")
+        if not 1 <= ndims <= MAX_TENSOR_DIMS:
+            raise ValueError(f"tensor {name} has {ndims} dimensions (1 to {MAX_TENSOR_DIMS} allowed)")
+        shape = [cur.scalar("Q") for _ in range(ndims)]
         qtype = GGMLQuantizationType(cur.scalar("I"))
         infos.append((name, shape, qtype, cur.scalar("Q")))
     alignment = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
+    if not 1 <= alignment <= 1 << 20:
+        raise ValueError(f"general.alignment must be 1 to 1 MiB, got {alignment}")
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, shape, qtype, offset in infos:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
-        n_bytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
+        elements = 1
+        for dim in shape:  # Python ints: a crafted shape must not wrap around to a small size
+            elements *= dim
+        if elements == 0 or shape[0] % block_size:
+            raise ValueError(f"tensor {name} has shape {shape}, not whole blocks of {block_size}")
+        n_bytes = elements // block_size * type_size
         start = data_start + offset
         if start + n_bytes > len(mm):
             raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
