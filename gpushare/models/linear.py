@@ -107,8 +107,9 @@ class Embedding(nn.Module):
 
 def linear_bytes(module: Linear) -> int:
     """Bytes of the weight as stored (packed and quantized forms included, the bias not)."""
-    names = {"dense": ["weight"], "onednn": ["packed"], "int8": ["qweight", "scales", "scales_bf16"],}.get(module.format, [])
     if module.format == "int4":
         names = ["packed", "scales_and_zeros"] if hasattr(module, "packed") else ["qweight", "scales", "mins"]
+    else:
+        names = {"dense": ["weight"], "onednn": ["packed"], "int8": ["qweight", "scales", "scales_bf16"]}[module.format]
     tensors = [getattr(module, n, None) for n in names]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
