@@ -12,25 +12,15 @@ passes (the least disturbed by anything else on the machine). Run it with nothin
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perplexity import find_gguf  # noqa: E402
 
+from gpushare.models.cpu_kernels import best_time_s  # noqa: E402
 from gpushare.models.linear import Linear  # noqa: E402
 from gpushare.models.loader import load_model  # noqa: E402
-
-
-def best_ms(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main() -> int:
@@ -52,9 +42,9 @@ def main() -> int:
         with torch.inference_mode():
             for batch in args.batch:
                 inputs = {m: torch.randn(batch, m.in_features) for m in layers}
-                layer_ms = best_ms(lambda: [m(inputs[m]) for m in layers], args.reps)
+                layer_ms = best_time_s(lambda: [m(inputs[m]) for m in layers], args.reps) * 1e3
                 x = torch.randn(batch, model.lm_head.in_features)
-                head_ms = best_ms(lambda: model.lm_head(x), args.reps)
+                head_ms = best_time_s(lambda: model.lm_head(x), args.reps) * 1e3
                 cells.append(f"{layer_ms:8.1f} | {head_ms:5.1f}")
         print(f"{weights:10}" + "".join(f"{c:>22}" for c in cells), flush=True)
     return 0

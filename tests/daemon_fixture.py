@@ -111,13 +111,14 @@ def write_config(tmp: Path, port: int, model_path: str, overrides: dict | None =
     return path
 
 
-def spawn_daemon(tmp: Path, model_path: str, overrides: dict | None = None) -> Daemon:
-    """Start `gpushare serve` for `model_path` (as smollm2:135m); see Daemon.wait_ready."""
+def spawn_daemon(tmp: Path, model_path: str, overrides: dict | None = None, env: dict | None = None) -> Daemon:
+    """Start `gpushare serve` for `model_path` (as smollm2:135m) with its config in tmp/gpushare.yaml;
+    `env` adds to the environment (which keeps none of ours GPUSHARE_ variables); see Daemon.wait_ready."""
     port = free_port()
     (tmp / "models").mkdir(exist_ok=True)
     config = write_config(tmp, port, model_path, overrides)
     log_path = tmp / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")} | (env or {})
     proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
                             stderr=subprocess.STDOUT, env=env)
     return Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")

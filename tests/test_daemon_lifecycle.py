@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_fixture import GPUSHARE, MODEL, START_TIMEOUT_S, Daemon, free_port, wait_for, write_config
+from daemon_fixture import MODEL, START_TIMEOUT_S, Daemon, spawn_daemon, wait_for, write_config
 
 ALICE, BOB = "alice-secret-key", "bob-secret-key"
 COPY = "smollm2-copy:135m"  # the model a reload adds: the same file under a second name
@@ -126,17 +125,12 @@ def rest_of_stream(resp) -> list[dict]:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, smollm2_path):
     tmp = tmp_path_factory.mktemp("lifecycle")
-    (tmp / "models").mkdir()
-    port = free_port()
-    config = write_config(tmp, port, smollm2_path, {"server": {"drain_timeout": "30s"}, "tenants": tenants(1)})
     notify_socket = NotifySocket()
     stall_file = tmp / "stall"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    env.update(NOTIFY_SOCKET=notify_socket.path, WATCHDOG_USEC="1000000", GPUSHARE_TEST_STALL_FILE=str(stall_file))
-    log_path = tmp / "daemon.log"
-    proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
-                            stderr=subprocess.STDOUT, env=env)
-    daemon = Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
+    daemon = spawn_daemon(tmp, smollm2_path, {"server": {"drain_timeout": "30s"}, "tenants": tenants(1)},
+                          env={"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "1000000",
+                               "GPUSHARE_TEST_STALL_FILE": str(stall_file)})
+    proc, config = daemon.proc, tmp / "gpushare.yaml"
     svc = Service(daemon, notify_socket, config, stall_file, smollm2_path)
 
     def ready():

@@ -9,30 +9,22 @@ systemd is stood in for by test_daemon_lifecycle's NotifySocket, with WATCHDOG_U
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from http.client import HTTPConnection
 
 import pytest
-from daemon_fixture import GPUSHARE, MODEL, Daemon, free_port, http, wait_for, write_config
+from daemon_fixture import MODEL, http, spawn_daemon, wait_for
 from test_daemon_lifecycle import NotifySocket
 
 
 @pytest.fixture(scope="module")
 def failing(tmp_path_factory, smollm2_path):
     tmp = tmp_path_factory.mktemp("engine-failure")
-    (tmp / "models").mkdir()
-    port = free_port()
-    config = write_config(tmp, port, smollm2_path)
     notify = NotifySocket()
     stall_file = tmp / "stall"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    env.update(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="1000000", GPUSHARE_TEST_STALL_FILE=str(stall_file))
-    log_path = tmp / "daemon.log"
-    proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
-                            stderr=subprocess.STDOUT, env=env)
-    daemon = Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
+    daemon = spawn_daemon(tmp, smollm2_path, env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "1000000",
+                                                  "GPUSHARE_TEST_STALL_FILE": str(stall_file)})
+    port = int(daemon.host.split(":")[1])
     try:
         daemon.wait_ready()
         yield daemon, notify, stall_file, port

@@ -28,7 +28,7 @@ CHOICES = ("int8", "float32")
 _SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # (out, in): a small model's qkv, gate_up, down
 
 
-def _time_s(fn, reps: int = 20) -> float:
+def best_time_s(fn, reps: int = 20) -> float:
     """Best of `reps`: the least disturbed by anything else the machine runs."""
     fn()
     best = float("inf")
@@ -92,8 +92,8 @@ def _measure() -> str:
         q = torch.round(w / scales[:, None]).to(torch.int8)
         packed, scales_bf16 = w.to_mkldnn(), scales.bfloat16()
         x = torch.randn(1, k, generator=gen)
-        totals["int8"] += _time_s(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scales_bf16).float())
-        totals["float32"] += _time_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        totals["int8"] += best_time_s(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scales_bf16).float())
+        totals["float32"] += best_time_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     choice = min(totals, key=totals.get)
     log.info("CPU weights for quantized files: %s (batch-1 linears: %s)", choice,
              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))

@@ -125,7 +125,3 @@ def permute_rows(w, order: torch.Tensor):
     return Int4Weight(w.qweight[order].contiguous(), w.scales[order].contiguous(), w.mins[order].contiguous(),
                       w.group_size)
 
-
-def quantized_bytes(w: QuantizedWeight) -> int:
-    tensors = [w.qweight, w.scales] + ([w.mins] if isinstance(w, Int4Weight) else [])
-    return sum(t.numel() * t.element_size() for t in tensors)
