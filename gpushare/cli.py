@@ -24,6 +24,7 @@ def cmd_serve(args) -> int:
 
     try:
         settings = load_settings(args.config, host=args.host)
+        daemon.check_kv_dtype(settings)
     except ConfigError as e:
         print(f"gpushare serve: config error: {e}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
 DEVICES = ("auto", "cpu", "cuda")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # as gpushare.engine.kv_pool
 
 
 @dataclass
@@ -64,13 +65,14 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_threads: int | None = None  # torch threads for the engine; None: torch's choice
+    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 (engine/kv_pool.resolve_kv_dtype)
 
 
 @dataclass
 class MemorySettings:
     budget_bytes: int | None = None  # weights + KV of all loaded models; None: from the device (registry)
-    kv_budget_bytes: int = 2 << 30  # node-wide KV cache, shared by the loaded models
-    max_loaded_models: int = 4  # each loaded model gets kv_budget / max_loaded_models
+    kv_budget_bytes: int = 2 << 30  # the engine's KV pool, which every loaded model grows into as it needs
+    max_loaded_models: int = 4
     host_cache_bytes: int = 4 << 30  # warm tier: unloaded models kept built in host memory; 0: off
 
 
@@ -172,6 +174,10 @@ def _read_engine(raw: Any) -> EngineSettings:
         e.weights = choice(d["weights"], WEIGHTS, "engine.weights")
     if "device" in d:
         e.device = choice(d["device"], DEVICES, "engine.device")
+    if "kv_dtype" in d:
+        e.kv_dtype = choice(d["kv_dtype"], KV_DTYPES, "engine.kv_dtype")
+        if e.kv_dtype == "float16" and e.device == "cpu":
+            raise ConfigError("engine.kv_dtype: float16 is for GPUs; with engine.device cpu use bfloat16 or float32")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_threads"):
         if d.get(name) is not None:
             setattr(e, name, positive_int(d[name], f"engine.{name}"))
@@ -236,7 +242,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
         prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
         limits=read_limits(d.get("limits")),
     )
-    s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes // s.memory.max_loaded_models)
+    s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes)
     if "models" in d:
         s.models = _read_models(d["models"], base_dir)
     else:

@@ -23,7 +23,7 @@ from aiohttp import web
 from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
-from gpushare.config import Settings, parse_host
+from gpushare.config import ConfigError, Settings, parse_host
 from gpushare.engine.registry import ModelLoadError, Registry, RegistryFull
 from gpushare.lifecycle import (Reloader, Signals, engine_stall_limit_s, install_test_stall, report_status,
                                 status_line)
@@ -44,6 +44,16 @@ def resolve_device(setting: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_kv_dtype(settings: Settings) -> None:
+    """ConfigError when engine.kv_dtype is one the device the daemon would run on cannot store."""
+    from gpushare.engine.kv_pool import resolve_kv_dtype
+
+    try:
+        resolve_kv_dtype(settings.engine.kv_dtype, resolve_device(settings.engine.device))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_dtype(setting: str, device: str) -> str:
@@ -76,7 +86,8 @@ def start_engine(settings: Settings, device: str = "cpu"):
     pinning = plan_engine_pinning(settings, device)
     engine = Engine(EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                                  block_size=e.block_size, num_threads=e.num_threads or pinning.torch_threads,
-                                 prefix_cache=settings.prefix_cache_scope, cpus=pinning.cpus))
+                                 prefix_cache=settings.prefix_cache_scope, cpus=pinning.cpus, device=device,
+                                 kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype))
     engine.start()
     log.info("engine thread %d pinned to CPUs %s, %d torch threads", engine.thread_native_id,
              ",".join(map(str, pinning.cpus)), engine.config.num_threads)

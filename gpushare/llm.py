@@ -24,14 +24,17 @@ class CompletionOutput:
 class LLM:
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None, weights: str = "auto"):
-        """``dtype``: activations and KV cache; ``weights``: the weight format, ``auto`` as the daemon's
-        default (int8 for a quantized GGUF on the CPU; ``float32`` with ``dtype="float32"`` is exact)."""
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None, weights: str = "auto",
+                 kv_dtype: str = "auto"):
+        """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int8
+        for a quantized GGUF on the CPU); ``kv_dtype``: the KV cache's (``auto``: bfloat16).
+        ``weights="float32", kv_dtype="float32"`` with ``dtype="float32"`` is the exact path."""
         self.model = load_model(model, dtype=dtype, device=device, weights=weights)
         self.model_name = model
         self.engine = Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                          block_size=block_size, num_threads=num_threads))
-        self.engine.add_model(model, self.model, kv_cache_bytes)
+                                          block_size=block_size, num_threads=num_threads, device=device,
+                                          kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype))
+        self.engine.add_model(model, self.model)
         self.engine.start()
 
     @property

@@ -125,7 +125,7 @@ def _read_tenant(d: dict, key: str) -> TenantSettings:
 
 
 def read_tenants(raw: Any, pool_bytes: int) -> list[TenantSettings]:
-    """The tenants; `pool_bytes` is one model's KV pool, where every byte reservation is set aside."""
+    """The tenants; `pool_bytes` is the engine's KV pool (memory.kv_budget), which reservations must fit."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -147,8 +147,8 @@ def read_tenants(raw: Any, pool_bytes: int) -> list[TenantSettings]:
         tenants.append(t)
     reserved = sum(t.kv_reserved_bytes for t in tenants)
     if reserved > pool_bytes:
-        raise ConfigError(f"tenants: kv_reserved adds up to {reserved} bytes, more than one model's KV pool "
-                          f"(memory.kv_budget / memory.max_loaded_models = {pool_bytes} bytes)")
+        raise ConfigError(f"tenants: kv_reserved adds up to {reserved} bytes, more than the KV pool "
+                          f"(memory.kv_budget = {pool_bytes} bytes)")
     return tenants
 
 

@@ -1,8 +1,10 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
 
 Cache layout (shared with the Triton kernels): ``k_cache`` and ``v_cache`` are
-``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence's token ``t`` lives in
-block ``block_table[t // block_size]`` at offset ``t % block_size``.
+``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous within a block; blocks may lie
+further apart (the device pool stores every layer of a block together). A sequence's token ``t``
+lives in block ``block_table[t // block_size]`` at offset ``t % block_size``. The cache may be
+stored in a narrower dtype than the queries; keys and values are widened as they are gathered.
 """
 
 import torch
@@ -11,13 +13,15 @@ import torch.nn.functional as F
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     """Write new K/V rows ``[T, Hkv, D]`` into flat slots ``block * block_size + offset``."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    block_size = k_cache.shape[1]
+    where = (slot_mapping // block_size, slot_mapping % block_size)
+    k_cache.index_put_(where, key.to(k_cache.dtype))
+    v_cache.index_put_(where, value.to(v_cache.dtype))
 
 
-def _gather(cache, block_tables, length):
-    """Rows ``[0, length)`` of each table's sequence: ``[B, length, Hkv, D]``, one contiguous copy.
+def _gather(cache, block_tables, length, dtype):
+    """Rows ``[0, length)`` of each table's sequence: ``[B, length, Hkv, D]`` in ``dtype``, one
+    contiguous copy.
 
     ``index_select`` on whole blocks moves each block as one memcpy; fancy indexing is ~4x slower.
     """
@@ -25,7 +29,7 @@ def _gather(cache, block_tables, length):
     batch = block_tables.shape[0]
     used = (length + block_size - 1) // block_size
     ids = block_tables[:, :used].reshape(-1).long()
-    rows = cache.view(num_blocks, -1).index_select(0, ids)
+    rows = cache.view(num_blocks, -1).index_select(0, ids).to(dtype)
     return rows.view(batch, used * block_size, *cache.shape[2:])[:, :length]
 
 
@@ -52,12 +56,12 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 def _attend_one(q, k_cache, v_cache, block_table, length, scale):
     """q ``[Hq, D]`` of one sequence over its ``length`` cached keys and values."""
-    keys = _gather(k_cache, block_table, length).transpose(1, 2)  # [1, Hkv, length, D]
-    values = _gather(v_cache, block_table, length).transpose(1, 2)
+    keys = _gather(k_cache, block_table, length, q.dtype).transpose(1, 2)  # [1, Hkv, length, D]
+    values = _gather(v_cache, block_table, length, q.dtype).transpose(1, 2)
     # 4-D with a batch of one: SDPA's CPU kernel takes 3-D inputs through a path 3x slower
-    out = F.scaled_dot_product_attention(q[None, :, None].to(keys.dtype), keys, values, scale=scale,
+    out = F.scaled_dot_product_attention(q[None, :, None], keys, values, scale=scale,
                                          enable_gqa=q.shape[0] != k_cache.shape[2])
-    return out[0, :, 0].to(q.dtype)
+    return out[0, :, 0]
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
@@ -75,15 +79,15 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     for i, length in enumerate(lengths):
         qs = q[starts[i]:starts[i + 1]]
         q_len = qs.shape[0]
-        keys = _gather(k_cache, block_tables[i:i + 1], length)[0]
-        values = _gather(v_cache, block_tables[i:i + 1], length)[0]
+        keys = _gather(k_cache, block_tables[i:i + 1], length, q.dtype)[0]
+        values = _gather(v_cache, block_tables[i:i + 1], length, q.dtype)[0]
         mask = None
         if q_len != length:
             # Query j sits at position length - q_len + j and may see keys up to it.
             rows = torch.arange(q_len, device=q.device)[:, None] + (length - q_len)
             mask = torch.arange(length, device=q.device)[None, :] <= rows
         attn = F.scaled_dot_product_attention(  # 4-D, a batch of one: the fast CPU path (see _attend_one)
-            qs.transpose(0, 1)[None].to(keys.dtype),
+            qs.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=mask,
@@ -91,5 +95,5 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        out[starts[i]:starts[i + 1]] = attn[0].transpose(0, 1).to(q.dtype)
+        out[starts[i]:starts[i + 1]] = attn[0].transpose(0, 1)
     return out

@@ -43,7 +43,7 @@ def smollm2_path() -> str:
 def llm(smollm2_path):
     from gpushare import LLM
 
-    model = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2)  # the exact path
+    model = LLM(smollm2_path, dtype="float32", weights="float32", kv_dtype="float32", num_threads=2)  # the exact path
     yield model
     model.shutdown()
 

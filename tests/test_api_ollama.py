@@ -109,14 +109,18 @@ def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon, served_ll
     raw = daemon.loaded()[MODEL]
     assert raw["kv_blocks_total"] > 0 and raw["kv_blocks_used"] == 0
     assert raw["running"] == 0 and raw["queued"] == 0
-    # size is what it holds: its weights as stored (int8: a quarter of float32's) plus its KV pool
-    assert raw["weights"] == served_llm.model.weights
-    kv_pool_bytes = m.size - served_llm.model.weight_bytes  # the pool's budget: whole blocks and a remainder
-    assert 0 <= kv_pool_bytes - raw["kv_blocks_total"] * kv_block_bytes(raw) < kv_block_bytes(raw)
-
-
-def kv_block_bytes(ps_row: dict) -> int:
-    return 2 * 30 * 3 * 64 * 4 * ps_row["kv_block_size"]  # k and v, 30 layers, 3 KV heads of 64, float32
+    # size is what it holds now: its weights as stored (int8: a quarter of float32's) plus the KV pool
+    # slabs it holds (an idle model may hold some: its cached prefixes, until it has been idle a while)
+    assert raw["weights"] == served_llm.model.weights and raw["weight_bytes"] == served_llm.model.weight_bytes
+    assert m.size == raw["weight_bytes"] + raw["kv_committed_bytes"]
+    assert raw["kv_dtype"] == "bfloat16"  # engine.kv_dtype auto
+    # the whole pool is this model's to grow into: every block of it, bfloat16 (2 bytes)
+    block_bytes = 2 * 30 * 3 * 64 * 2 * raw["kv_block_size"]  # k and v, 30 layers, 3 KV heads of 64
+    memory = http("GET", daemon.url + "/api/ps")[1]["memory"]
+    assert raw["kv_blocks_total"] == memory["kv_pool_bytes"] // block_bytes
+    assert memory["weight_bytes"] == served_llm.model.weight_bytes
+    assert memory["rss_bytes"] == (memory["weight_bytes"] + memory["kv_committed_bytes"]
+                                   + memory["runtime_overhead_bytes"])
 
 
 def test_embed(client, daemon):

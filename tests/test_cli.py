@@ -12,6 +12,7 @@ import subprocess
 from http.client import HTTPConnection
 
 import pytest
+import torch
 from daemon_fixture import GPUSHARE, MODEL, free_port, serving
 
 from gpushare import SamplingParams, cli
@@ -53,12 +54,18 @@ def test_every_verb_explains_itself(capsys):
         assert out.startswith(f"usage: gpushare {canonical}") and len(out.splitlines()) > 3, verb
 
 
-def test_serve_with_a_bad_config_names_the_key(tmp_path):
+@pytest.mark.parametrize("yaml_text, message", [
+    ("engine: {max_num_seqs: -1}\n", "engine.max_num_seqs: must be a positive integer, got -1"),
+    # engine.device auto is the CPU on a machine without a GPU, where float16 KV is refused
+    pytest.param("engine: {kv_dtype: float16}\n", "config error: engine.kv_dtype: float16 is for GPUs",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="float16 KV is fine on a GPU")),
+])
+def test_serve_with_a_bad_config_names_the_key(tmp_path, yaml_text, message):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("engine: {max_num_seqs: -1}\n")
+    bad.write_text(yaml_text)
     r = gpushare(None, "serve", "--config", str(bad))
     assert r.returncode == 1
-    assert "engine.max_num_seqs: must be a positive integer, got -1" in r.stderr
+    assert message in r.stderr
 
 
 def test_list(daemon, host_env, capsys):

@@ -47,6 +47,8 @@ def test_example_configs_are_valid(name):
     ({"engine": {"block_size": "16"}}, "engine.block_size: must be a positive integer, got '16'"),
     ({"engine": {"dtype": "fp8"}}, "engine.dtype: must be one of auto, float32, float16, bfloat16, got 'fp8'"),
     ({"engine": {"max_seqs": 4}}, "engine.max_seqs: unknown key"),
+    ({"engine": {"kv_dtype": "int3"}}, "engine.kv_dtype: must be one of auto, float32, bfloat16, float16, got 'int3'"),
+    ({"engine": {"device": "cpu", "kv_dtype": "float16"}}, "engine.kv_dtype: float16 is for GPUs"),
     ({"server": {"host": "localhost:99999"}}, "server.host: must be HOST:PORT with a port in 1..65535"),
     ({"server": {"drain_timeout": "soon"}}, "server.drain_timeout: must be a duration like 30s"),
     ({"server": {"max_queued": -3}}, "server.max_queued: must be a non-negative integer, got -3"),
@@ -138,8 +140,9 @@ def test_tenant_names_and_keys_are_unique_and_reservations_fit_the_kv_budget():
         parse_settings({"tenants": [{"name": "a", "api_keys": ["k1"]}, {"name": "a", "api_keys": ["k2"]}]}, env={})
     with pytest.raises(ConfigError, match=r"tenants\[1\].api_keys: a key of tenant 'b' is also a key of tenant 'a'"):
         parse_settings({"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]}, env={})
-    with pytest.raises(ConfigError, match="tenants: kv_reserved adds up to"):
-        parse_settings({"memory": {"kv_budget": "4GiB", "max_loaded_models": 4}, "tenants": [
+    with pytest.raises(ConfigError, match=r"tenants: kv_reserved adds up to 1342177280 bytes, more than the KV "
+                                          r"pool \(memory.kv_budget = 1073741824 bytes\)"):
+        parse_settings({"memory": {"kv_budget": "1GiB"}, "tenants": [
             {"name": "a", "api_keys": ["k1"], "kv_reserved": "768MiB"},
             {"name": "b", "api_keys": ["k2"], "kv_reserved": "512MiB"}]}, env={})
     with pytest.raises(ConfigError, match="prefix_cache.scope: must be one of tenant, global, off"):

@@ -3,10 +3,11 @@
 import threading
 
 import pytest
+import torch
 
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.kv_cache import kv_bytes_per_block
+from gpushare.engine.kv_pool import kv_bytes_per_block
 
 PROMPTS = [
     "Tell me a story about a dragon.",
@@ -25,9 +26,9 @@ def greedy(n=32):
 def small_engine(llm, num_blocks, **config):
     """A second engine over the already-loaded weights, with a pool of ``num_blocks`` blocks; not
     started (``run_all`` starts it once every request is queued)."""
-    engine = Engine(EngineConfig(**config))
-    per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
-    engine.add_model("m", llm.model, num_blocks * per_block)
+    per_block = kv_bytes_per_block(llm.model.config, config.get("block_size", 16), torch.float32)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_slab_blocks=1, kv_cache_bytes=num_blocks * per_block, **config))
+    engine.add_model("m", llm.model)
     return engine
 
 

@@ -5,7 +5,7 @@ import threading
 import torch
 
 from gpushare import LLM, SamplingParams
-from gpushare.engine.engine import Engine
+from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.sequence import Sequence
 from gpushare.models.loader import load_model
 from model_files import gguf_to_hf_folder, random_llama_folder
@@ -36,8 +36,8 @@ def test_random_llama_matches_transformers(smollm2_path, tmp_path):
     folder = random_llama_folder(smollm2_path, str(tmp_path / "tiny"))
     ours = load_model(folder)
     ids = [1, 2, 3, 400, 500, 600, 7000]
-    engine = Engine()
-    engine.add_model("tiny", ours, kv_cache_bytes=1 << 20)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=1 << 20))
+    engine.add_model("tiny", ours)
     runner = engine.workers["tiny"].runner
     seq = Sequence("x", "tiny", ids, greedy(), lambda out: None)
     assert engine.workers["tiny"].scheduler.pool.grow(seq.block_table, len(ids)) is None
@@ -51,8 +51,8 @@ def test_bfloat16_runs_on_cpu_and_agrees_on_the_first_token(llm, smollm2_path):
     bf16 = load_model(smollm2_path, dtype="bfloat16", weights="bfloat16")
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     assert bf16.weight_bytes == 2 * SMOLLM2_PARAMETERS  # bf16 weights stay dense: 2 bytes each
-    engine = Engine()
-    engine.add_model("bf16", bf16, kv_cache_bytes=16 << 20)
+    engine = Engine(EngineConfig(kv_cache_bytes=16 << 20))
+    engine.add_model("bf16", bf16)
     engine.start()
     try:
         ids = llm.tokenizer.encode(llm.model.render_chat(CONVS[1]))

@@ -30,7 +30,7 @@ from tests.model_files import gguf_to_hf_folder, random_llama_folder
 
 SMOL, COPY, TINY = "smollm2:135m", "smollm2-st", "tiny-random"
 PROMPTS = ["What is the capital of France?", "Name three colours."]
-KV_BUDGET = 24 << 20  # 8 MiB per model (max_loaded_models 3): room for short chats
+KV_BUDGET = 24 << 20  # the engine's KV pool, shared by the loaded models: room for short chats
 GREEDY_TOKENS = 8
 
 
@@ -45,22 +45,22 @@ def folders(tmp_path_factory, smollm2_path):
 def oracles(folders, request):
     """The offline API on each model; SmolLM2 and its safetensors copy share the session's `llm`."""
     llm = request.getfixturevalue("llm")
-    tiny = LLM(folders[TINY], dtype="float32", num_threads=2)
+    tiny = LLM(folders[TINY], dtype="float32", kv_dtype="float32", num_threads=2)
     yield {SMOL: llm, COPY: llm, TINY: tiny}
     tiny.shutdown()
 
 
 @pytest.fixture
 def engine():
-    e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    e = Engine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, kv_dtype="float32", kv_cache_bytes=KV_BUDGET))
     e.start()
     yield e
     e.shutdown()
 
 
 def size_bytes(path: str) -> int:
-    """A model's weights plus its KV pool, as the registry counts it (the estimate is exact here)."""
-    return estimate_weight_bytes(count_tensors(path), "float32") + KV_BUDGET // 3
+    """A model's weights, as the registry counts it (the estimate is exact here); the KV pool counts once."""
+    return estimate_weight_bytes(count_tensors(path), "float32")
 
 
 def make_registry(engine, folders, budget_bytes, tmp_path, host_cache_bytes=4 << 30, **entry_options) -> Registry:
@@ -114,14 +114,14 @@ async def until(predicate, timeout_s: float = 60) -> None:
 
 
 class BudgetWatch:
-    """Samples what the engine really holds (weights + KV pools of its workers) every few ms."""
+    """Samples what the engine really holds (its KV pool + its workers' weights) every few ms."""
 
-    def __init__(self, engine, kv_bytes: int):
-        self.engine, self.kv_bytes, self.peak_bytes = engine, kv_bytes, 0
+    def __init__(self, engine):
+        self.engine, self.peak_bytes = engine, 0
 
     async def run(self):
         while True:
-            held = sum(w.loaded.weight_bytes + self.kv_bytes for w in list(self.engine.workers.values()))
+            held = self.engine.kv_pool.capacity_bytes + sum(w.loaded.weight_bytes for w in list(self.engine.workers.values()))
             self.peak_bytes = max(self.peak_bytes, held)
             await asyncio.sleep(0.005)
 
@@ -129,7 +129,7 @@ class BudgetWatch:
 def test_three_models_alternate_under_a_budget_for_two(engine, folders, oracles, tmp_path):
     sizes = {name: size_bytes(path) for name, path in folders.items()}
     assert sizes[SMOL] == sizes[COPY] > 10 * sizes[TINY]
-    budget = sizes[SMOL] + sizes[COPY] + sizes[TINY] // 2  # any two fit, never all three
+    budget = KV_BUDGET + sizes[SMOL] + sizes[COPY] + sizes[TINY] // 2  # any two fit, never all three
     reg = make_registry(engine, folders, budget, tmp_path)
     greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
     long_params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_three_models_alternate_under_a_budget_for_two(engine, folders, oracles,
     expected = {(name, prompt): answers[id(oracles[name]), prompt] for name in folders for prompt in PROMPTS}
     expected_long = expected_ids(oracles[TINY], PROMPTS[0], long_params)
     loads: dict[str, list[tuple[float, bool]]] = {name: [] for name in folders}
-    watch = BudgetWatch(engine, KV_BUDGET // 3)
+    watch = BudgetWatch(engine)
 
     async def main():
         watcher = asyncio.create_task(watch.run())
@@ -247,7 +247,7 @@ def test_a_corrupt_file_fails_clearly_while_another_model_streams(engine, folder
     os.truncate(weights, weights.stat().st_size // 2)  # the header is whole, the tensors are not
     models = {TINY: folders[TINY], "broken-gguf": str(broken_gguf), "broken-st": str(broken_folder),
               SMOL: folders[SMOL]}
-    budget = size_bytes(folders[TINY]) * 3  # SMOL can never fit
+    budget = KV_BUDGET + size_bytes(folders[TINY]) * 3  # SMOL can never fit
     reg = make_registry(engine, models, budget, tmp_path)
     long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -278,7 +278,7 @@ def test_pinned_weight_and_live_settings(engine, folders, tmp_path):
     """Pinned models stay (keep_alive, eviction, unload); weight reaches the engine; apply_settings
     retires a removed model once its request ends."""
     models = {"pinned": folders[TINY], "other": folders[TINY], "third": folders[TINY]}
-    budget = size_bytes(folders[TINY]) * 2 + 1  # two at once
+    budget = KV_BUDGET + size_bytes(folders[TINY]) * 2 + 1  # two at once
     reg = make_registry(engine, models, budget, tmp_path, pinned={"pinned": True, "weight": 3.0})
 
     async def main():

@@ -4,9 +4,10 @@ step of their own, before the next step or between two layers of the one in flig
 import threading
 
 import pytest
+import torch
 
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.kv_cache import kv_bytes_per_block
+from gpushare.engine.kv_pool import kv_bytes_per_block
 from gpushare.engine.tenants import TenantPolicy
 from test_engine import PROMPTS, chat_ids, greedy
 
@@ -26,9 +27,9 @@ class Run:
 
     def __init__(self, llm, flood_priority="batch", chat_priority="interactive"):
         self.llm = llm
-        self.engine = Engine(EngineConfig())
-        per_block = kv_bytes_per_block(llm.model.config, self.engine.config.block_size, llm.model.dtype)
-        self.engine.add_model("m", llm.model, 64 * per_block)
+        per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+        self.engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=64 * per_block))
+        self.engine.add_model("m", llm.model)
         self.engine.set_tenants([TenantPolicy("flood", priority=flood_priority),
                                  TenantPolicy("chat", priority=chat_priority), TenantPolicy("chat2")])
         self.chat_tenant = "chat"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpushare import LLM, SamplingParams
-from gpushare.engine.kv_cache import kv_bytes_per_block
+from gpushare.engine.kv_pool import kv_bytes_per_block
 
 TEXT = ("Four score and seven years ago our fathers brought forth on this continent, a new nation, conceived in "
         "Liberty, and dedicated to the proposition that all men are created equal. Now we are engaged in a great "
@@ -29,7 +29,8 @@ def expected(hf_model, prompt_ids):
 @pytest.fixture(scope="module")
 def chunked_llm(smollm2_path):
     """Prompts run over several engine steps: 16 tokens per step."""
-    model = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2, max_num_batched_tokens=16, kv_cache_bytes=64 << 20)
+    model = LLM(smollm2_path, dtype="float32", weights="float32", kv_dtype="float32", num_threads=2,
+                max_num_batched_tokens=16, kv_cache_bytes=64 << 20)
     yield model
     model.shutdown()
 
@@ -69,7 +70,8 @@ def test_prompt_logprobs_survive_preemption(llm, smollm2_path, prompt_ids, expec
     # Six 16-token blocks: a 32-token prompt generating 48 tokens (5 blocks at the end) leaves too
     # little for the long prompt (4 blocks), which is preempted mid-prefill and recomputed later.
     per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
-    tight = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2, max_num_batched_tokens=16, kv_cache_bytes=6 * per_block)
+    tight = LLM(smollm2_path, dtype="float32", weights="float32", kv_dtype="float32", num_threads=2,
+                max_num_batched_tokens=16, kv_cache_bytes=6 * per_block)
     try:
         outs = tight.generate([prompt_ids[-32:], prompt_ids],
                               [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), params()])

@@ -117,15 +117,15 @@ def test_answers_do_not_depend_on_batch_neighbours(smollm2_path, weights):
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_stays_close_to_float32(llm, smollm2_path, weights):
     """Per position of a text, the quantized model's next-token choice is float32's almost everywhere."""
-    from gpushare.engine.engine import Engine
+    from gpushare.engine.engine import Engine, EngineConfig
     from gpushare.engine.sequence import Sequence
 
     text = " ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog while the sun sets slowly."
     ids = llm.tokenizer.encode(text, add_special_tokens=True)
     argmax = {}
     for name, loaded in (("float32", llm.model), (weights, load_model(smollm2_path, weights=weights))):
-        engine = Engine()
-        engine.add_model(name, loaded, kv_cache_bytes=8 << 20)
+        engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=8 << 20))
+        engine.add_model(name, loaded)
         seq = Sequence("x", name, ids, greedy(), lambda out: None)
         assert engine.workers[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
         hidden, _ = engine.workers[name].runner.hidden_states([seq], [len(ids)])

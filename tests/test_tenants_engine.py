@@ -3,10 +3,12 @@
 import threading
 
 import pytest
+import torch
 
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.kv_cache import KVCacheBusy, kv_bytes_per_block
+from gpushare.engine.kv_cache import KVCacheBusy
+from gpushare.engine.kv_pool import kv_bytes_per_block
 from gpushare.engine.tenants import TenantPolicy
 from test_engine import chat_ids
 
@@ -18,9 +20,9 @@ SYSTEM = ("You are a meticulous assistant for a shipping company. Answer questio
 def make_engine(llm, num_blocks, start=True, **config):
     """An engine over the session's weights; ``start=False`` leaves it stopped, so that requests can
     be queued first and its first step sees them all, whatever the threads' timing."""
-    engine = Engine(EngineConfig(**config))
-    per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
-    engine.add_model("m", llm.model, num_blocks * per_block)
+    per_block = kv_bytes_per_block(llm.model.config, config.get("block_size", 16), torch.float32)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_slab_blocks=1, kv_cache_bytes=num_blocks * per_block, **config))
+    engine.add_model("m", llm.model)
     if start:
         engine.start()
     return engine, per_block
@@ -167,9 +169,10 @@ def test_reservation_is_available_at_once_while_a_flooder_fills_the_rest(llm):
 def test_weighted_fair_share_of_computed_tokens(llm):
     # Every request is queued before the engine starts, so the measured window does not depend on
     # how the submissions interleave with the first steps.
-    engine = Engine(EngineConfig(max_num_seqs=4, prefix_cache="off"))
-    per_block = kv_bytes_per_block(llm.model.config, engine.config.block_size, llm.model.dtype)
-    engine.add_model("m", llm.model, 200 * per_block)
+    per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+    engine = Engine(EngineConfig(max_num_seqs=4, prefix_cache="off", kv_dtype="float32",
+                                 kv_cache_bytes=200 * per_block))
+    engine.add_model("m", llm.model)
     engine.set_tenants([TenantPolicy("light", weight=1), TenantPolicy("heavy", weight=3)])
     window = []
 

@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
+from gpushare.api.memory import memory_report
 from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.sequence import RequestOutput
@@ -162,6 +163,18 @@ class StateCollector:
         yield GaugeMetricFamily("gpushare_engine_last_tick_age_seconds", "Since the engine loop last turned",
                                 value=max(0.0, time.monotonic() - self.ctx.engine.last_tick_s))
         yield from self._gpu_families()
+        yield from self._memory_families()
+
+    def _memory_families(self):
+        report = memory_report(self.ctx)
+        for name, doc, value in (
+                ("gpushare_memory_rss_bytes", "The daemon's resident set", report.rss_bytes),
+                ("gpushare_memory_weights_bytes", "Weights of every loaded model, as stored", report.weight_bytes),
+                ("gpushare_kv_pool_bytes", "The engine's KV pool (memory.kv_budget)", report.kv_pool_bytes),
+                ("gpushare_kv_pool_committed_bytes", "KV pool slabs held by models", report.kv_committed_bytes),
+                ("gpushare_memory_runtime_overhead_bytes", "Resident memory beyond weights and committed KV "
+                 "(runtime, server, allocator slack)", report.runtime_overhead_bytes)):
+            yield GaugeMetricFamily(name, doc, value=value)
 
     def _engine_families(self):
         def gauge(name, doc):
@@ -169,7 +182,7 @@ class StateCollector:
 
         queue = gauge("gpushare_queue_depth", "Requests waiting in the engine")
         running = gauge("gpushare_running_sequences", "Sequences running in the engine")
-        total = gauge("gpushare_kv_blocks_total", "KV cache blocks in the model's pool")
+        total = gauge("gpushare_kv_blocks_total", "KV cache blocks the model could hold with the whole device pool")
         used = gauge("gpushare_kv_blocks_used", "KV cache blocks held by sequences")
         free = gauge("gpushare_kv_blocks_free", "KV cache blocks free (cached blocks nobody holds included)")
         cached = gauge("gpushare_kv_blocks_cached", "KV cache blocks kept for prefix reuse")
@@ -177,6 +190,7 @@ class StateCollector:
         preemptions = CounterMetricFamily("gpushare_preemptions", "Sequences preempted (blocks freed, recomputed "
                                           "later)", labels=["model"])
         steps = CounterMetricFamily("gpushare_engine_steps", "Engine steps run", labels=["model"])
+        kv_bytes = gauge("gpushare_kv_committed_bytes", "Bytes of the KV pool's slabs the model holds")
         for name, m in self.ctx.engine.stats().models.items():
             queue.add_metric([name], m.waiting)
             running.add_metric([name], m.running)
@@ -187,7 +201,8 @@ class StateCollector:
             reserved.add_metric([name], getattr(m, "blocks_reserved", 0))
             preemptions.add_metric([name], m.preemptions)
             steps.add_metric([name], m.steps)
-        return [queue, running, total, used, free, cached, reserved, preemptions, steps]
+            kv_bytes.add_metric([name], m.kv_committed_bytes)
+        return [queue, running, total, used, free, cached, reserved, preemptions, steps, kv_bytes]
 
     def _tenant_families(self):
         used = GaugeMetricFamily("gpushare_tenant_kv_used_bytes", "KV cache bytes a tenant holds, all models",

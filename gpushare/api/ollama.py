@@ -25,6 +25,7 @@ from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
+from gpushare.api.memory import memory_report
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows, visible
@@ -238,17 +239,21 @@ async def tags(request: web.Request) -> web.Response:
 
 async def ps(request: web.Request) -> web.Response:
     ctx = context(request)
-    stats = ctx.engine.stats().models
+    engine_stats = ctx.engine.stats()
+    stats = engine_stats.models
     models = []
     for entry in ctx.registry.loaded():
         if not visible(request, [entry.name]):
             continue
         s = stats.get(entry.name)
         expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
+        kv_bytes = s.kv_committed_bytes if s else 0
+        size = entry.weight_bytes + kv_bytes  # what it holds now: weights and its slabs of the KV pool
         models.append({
-            "name": entry.name, "model": entry.name, "size": entry.size_bytes, "digest": entry.source.digest(),
+            "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
-            "size_vram": entry.size_bytes if ctx.registry.device == "cuda" else 0,
+            "size_vram": size if ctx.registry.device == "cuda" else 0,
+            "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
             "context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
@@ -261,7 +266,10 @@ async def ps(request: web.Request) -> web.Response:
     loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
                 "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
                for job in ctx.registry.loading() if visible(request, [job.source.name])]
-    return web.json_response({"models": models, "loading": loading, "tenants": tenant_rows(request)})
+    body = {"models": models, "loading": loading, "tenants": tenant_rows(request)}
+    if is_admin(request):  # node-wide figures: the operator's, not every tenant's
+        body["memory"] = memory_report(ctx).as_json()
+    return web.json_response(body)
 
 
 async def show(request: web.Request) -> web.Response:

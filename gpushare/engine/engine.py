@@ -20,20 +20,23 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.kv_cache import BlockPool, KVCacheBusy, kv_bytes_per_block
+from gpushare.engine.engine_stats import EngineStats, engine_stats, tenant_stats
+from gpushare.engine.kv_cache import BlockPool, KVCacheBusy
+from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
+from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.sampling import SamplingFailure, SamplingParams
 from gpushare.engine.request_checks import new_sequence
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
 from gpushare.engine.tenants import TenantLedger, TenantPolicy, TenantStats
-from gpushare.models.loader import LoadedModel
+from gpushare.models.loader import LoadedModel, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -51,30 +54,16 @@ class EngineConfig:
     idle_tick_s: float = 0.5  # how often an idle loop wakes (keeps the liveness stamp fresh)
     prefix_cache: str = "tenant"  # share cached prefix blocks within a tenant | "global" | "off"
     cpus: list[int] | None = None  # pin the engine thread (and torch's pool) to these CPUs
+    device: str = "cpu"
+    kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model
+    kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 (kv_pool.resolve_kv_dtype)
+    kv_slab_blocks: int = 8  # KV pool slab size, in blocks of the first model loaded
+    kv_idle_release_s: float = 30.0  # a model idle this long drops its cached KV and gives its slabs back
 
     def __post_init__(self):
         if self.prefix_cache not in ("tenant", "global", "off"):
             raise ValueError(f"prefix_cache must be tenant, global or off, got {self.prefix_cache!r}")
-
-
-@dataclass
-class ModelStats:
-    blocks_total: int
-    block_size: int
-    blocks_used: int = 0
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    cached_blocks: int = 0
-
-
-@dataclass
-class EngineStats:
-    steps: int
-    models: dict[str, ModelStats] = field(default_factory=dict)
+        resolve_kv_dtype(self.kv_dtype, self.device)
 
 
 @dataclass
@@ -96,6 +85,9 @@ class Engine:
         self.workers: dict[str, ModelWorker] = {}  # mutated only on the engine thread
         self.requests: dict[str, Sequence] = {}
         self.ledger = TenantLedger()
+        self.kv_pool = DeviceKVPool(self.config.kv_cache_bytes, self.config.device, self.config.kv_slab_blocks)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device)
+        self._idle_since_s: dict[int, float] = {}  # kv_sharing.shed_idle_models' memory
         self.thread_native_id: int | None = None
         self.steps = 0
         self.last_tick_s = time.monotonic()
@@ -125,17 +117,18 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def add_model(self, name: str, loaded: LoadedModel, kv_cache_bytes: int, share_weight: float = 1.0) -> None:
+    def add_model(self, name: str, loaded: LoadedModel, share_weight: float = 1.0) -> None:
+        """Serve ``loaded`` as ``name``; its KV cache grows and shrinks in the engine's device pool."""
         def add():
             if name in self.workers:
                 raise ValueError(f"model {name!r} is already loaded")
-            per_block = kv_bytes_per_block(loaded.config, self.config.block_size, loaded.dtype)
-            num_blocks = kv_cache_bytes // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv cache budget {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
-            pool = BlockPool(num_blocks, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
+            per_block = kv_bytes_per_block(loaded.config, self.config.block_size, self.kv_dtype)
+            pool = BlockPool(self.kv_pool, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
             scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-            self.workers[name] = ModelWorker(name, loaded, scheduler, ModelRunner(loaded, pool), share_weight)
+            scheduler.borrow = self._borrow
+            runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
+                                                                         self.kv_dtype))
+            self.workers[name] = ModelWorker(name, loaded, scheduler, runner, share_weight)
 
         self._run_on_engine(add)
 
@@ -144,6 +137,7 @@ class Engine:
             worker = self.workers.pop(name)
             for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
                 self._finish(worker, seq, "abort", error=f"model {name!r} was unloaded")
+            worker.scheduler.pool.close()
 
         self._run_on_engine(remove)
 
@@ -164,25 +158,7 @@ class Engine:
         self._run_on_engine(lambda: setattr(self.ledger, "policies", by_name))
 
     def tenant_stats(self) -> dict[str, TenantStats]:
-        ledger = self.ledger
-        pools = [w.scheduler.pool for w in list(self.workers.values())]
-        bytes_per_token = max((p.bytes_per_token for p in pools), default=0)
-        names = set(ledger.policies) | set(ledger.used_bytes) | set(ledger.computed_tokens)
-        out = {}
-        for name in names:
-            policy = ledger.policy(name)
-            out[name] = TenantStats(kv_used_bytes=ledger.used_bytes.get(name, 0),
-                                    kv_reserved_bytes=policy.reserved_bytes(bytes_per_token),
-                                    kv_limit_bytes=policy.limit_bytes(bytes_per_token),
-                                    computed_tokens=ledger.computed_tokens.get(name, 0),
-                                    generated_tokens=ledger.generated_tokens.get(name, 0),
-                                    prefix_hit_tokens=ledger.prefix_hit_tokens.get(name, 0))
-        for w in list(self.workers.values()):
-            for seq in list(w.scheduler.running):
-                out.setdefault(seq.tenant, TenantStats()).running += 1
-            for seq in list(w.scheduler.waiting):
-                out.setdefault(seq.tenant, TenantStats()).waiting += 1
-        return out
+        return tenant_stats(self.ledger, [w.scheduler for w in list(self.workers.values())])
 
     def submit(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None,
@@ -222,15 +198,7 @@ class Engine:
         return any(w.scheduler.has_work() for w in workers)
 
     def stats(self) -> EngineStats:
-        out = EngineStats(self.steps)
-        for name, w in list(self.workers.items()):
-            pool = w.scheduler.pool
-            out.models[name] = ModelStats(
-                blocks_total=pool.num_blocks, block_size=pool.block_size, blocks_used=pool.num_used,
-                running=len(w.scheduler.running), waiting=len(w.scheduler.waiting), steps=w.steps,
-                prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
-                preemptions=w.scheduler.num_preemptions, cached_blocks=len(pool.cached))
-        return out
+        return engine_stats(self)
 
     # ---- engine thread -------------------------------------------------------------------
     def _run_on_engine(self, fn):
@@ -256,11 +224,27 @@ class Engine:
                 worker = self._pick_worker()
                 if worker is not None:
                     self._step(worker)
+                self._shed_idle()
             except Exception as e:
                 log.exception("the engine loop failed; it stops and fails every pending request")
                 self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
                                       f"restart the daemon")
                 return
+
+    def _borrow(self, requester: Scheduler) -> bool:
+        """Scheduler.borrow: preempt another model's sequence for ``requester`` (kv_sharing.py)."""
+        workers = list(self.workers.values())
+        found = borrow_victim(requester, [w.scheduler for w in workers], [w.share_weight for w in workers])
+        if found is None:
+            return False
+        lender, seq = found
+        lender.preempt(seq)
+        return True
+
+    def _shed_idle(self) -> None:
+        schedulers = [w.scheduler for w in self.workers.values()]
+        if shed_idle_models(schedulers, self._idle_since_s, time.monotonic(), self.config.kv_idle_release_s):
+            return_freed_memory()
 
     def _fail_everything(self, reason: str) -> None:
         """End every pending request with ``reason`` and refuse new ones (the loop is about to exit)."""

@@ -1,4 +1,9 @@
-"""The paged KV cache of one model: block tensors, the free list, the prefix cache, tenant charges.
+"""The paged KV cache of one model: its blocks in the device pool's slabs, the prefix cache, tenant charges.
+
+A model takes slabs from the device pool (kv_pool.py) as its sequences need blocks and gives a
+slab back as soon as no block in it is held or cached; blocks are taken from the fullest slab
+first so that the others drain. Tenant rules count bytes over every model: ``kv_limit`` caps a
+tenant, and the unused part of other tenants' ``kv_reserved`` is never handed out.
 
 A full block is keyed by a chained hash of (scope, every token up to its end), where the scope is
 the tenant (or nothing, for a global cache): identical prefixes share blocks by reference count.
@@ -7,28 +12,15 @@ slot is needed. Every block a sequence holds is charged to its tenant, once per 
 """
 
 import hashlib
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-import torch
-
+from gpushare.engine.kv_pool import DeviceKVPool
 from gpushare.engine.tenants import TenantLedger
-from gpushare.models.config import ModelConfig
 
 
 class KVCacheBusy(RuntimeError):
     """The blocks a request needs now are held by requests it may not preempt."""
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
-
-
-def allocate_kv_tensors(config: ModelConfig, num_blocks: int, block_size: int, dtype, device) -> list:
-    """Per layer a (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` views."""
-    cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                        dtype=dtype, device=device)
-    return [(cache[i, 0], cache[i, 1]) for i in range(config.num_layers)]
 
 
 def block_hash(previous: bytes, scope: str, tokens) -> bytes:
@@ -37,27 +29,38 @@ def block_hash(previous: bytes, scope: str, tokens) -> bytes:
 
 @dataclass
 class BlockPool:
-    num_blocks: int
+    device: DeviceKVPool
     block_size: int
-    block_bytes: int = 0
+    block_bytes: int
     ledger: TenantLedger = field(default_factory=TenantLedger)
     prefix_scope: str = "tenant"  # "tenant" | "global" | "off"
 
     def __post_init__(self):
-        self.free_blocks = deque(range(self.num_blocks))
-        self.ref_counts = [0] * self.num_blocks
-        self.block_keys: list[bytes | None] = [None] * self.num_blocks
+        self.device.register(self, self.block_bytes)
+        self.num_blocks = sum(len(self.device.blocks_in(s, self.block_bytes)) for s in range(self.device.num_slabs))
+        self.slab_free: dict[int, list[int]] = {}  # own slab -> its free blocks
+        self.slab_held: dict[int, int] = {}  # own slab -> its blocks held by a sequence
+        self.ref_counts: Counter = Counter()
+        self.block_keys: dict[int, bytes] = {}
         self.cached: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
         self.held: dict[str, Counter] = {}  # tenant -> block -> holders
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks) + len(self.evictable)
+        """Blocks this model could have now: free in its slabs, cached but unheld, free slabs, and
+        slabs that other models hold only cached blocks in."""
+        own = sum(len(free) for free in self.slab_free.values()) + len(self.evictable)
+        others = sum(m.sheddable_blocks(self.block_bytes) for m in self.device.members if m is not self)
+        return own + self.device.free_blocks_for(self.block_bytes) + others
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        return sum(self.slab_held.values())
+
+    @property
+    def num_slabs(self) -> int:
+        return len(self.slab_free)
 
     @property
     def bytes_per_token(self) -> int:
@@ -69,14 +72,17 @@ class BlockPool:
     def tenant_blocks(self, tenant: str) -> int:
         return len(self.held.get(tenant, ()))
 
-    def reserved_blocks(self, tenant: str) -> int:
+    def over_reservation(self, tenant: str) -> bool:
+        """Whether the tenant holds more KV, over every model, than its kv_reserved."""
         reserved = self.ledger.policy(tenant).reserved_bytes(self.bytes_per_token)
-        return -(-reserved // self.block_bytes) if self.block_bytes else 0
+        return self.ledger.used_bytes.get(tenant, 0) > reserved
 
     def _set_aside_for_others(self, tenant: str) -> int:
-        """Free blocks this tenant may not take: the unused reservations of everyone else."""
-        return sum(max(0, self.reserved_blocks(t) - self.tenant_blocks(t))
-                   for t in self.ledger.policies if t != tenant)
+        """Blocks this tenant may not take: the unused reservations of everyone else (node-wide)."""
+        ledger = self.ledger
+        unmet = sum(max(0, ledger.policy(t).reserved_bytes(self.bytes_per_token) - ledger.used_bytes.get(t, 0))
+                    for t in ledger.policies if t != tenant)
+        return -(-unmet // self.block_bytes)
 
     def can_take(self, tenant: str, extra: int) -> str | None:
         """None if ``tenant`` may take ``extra`` more blocks now, else why not: "limit" or "pool"."""
@@ -93,16 +99,77 @@ class BlockPool:
         room = self.ledger.room_bytes(tenant, self.bytes_per_token)
         return room is None or room >= self.block_bytes
 
+    def slab_of(self, block: int) -> int:
+        return block * self.block_bytes // self.device.slab_bytes
+
     def _take_block(self) -> int:
-        if self.free_blocks:
-            return self.free_blocks.popleft()
-        block, _ = self.evictable.popitem(last=False)
-        del self.cached[self.block_keys[block]]
-        self.block_keys[block] = None
-        return block
+        """A free block: from the fullest own slab (so emptier ones drain and go back), else a new
+        slab, else the least recently used cached block, else a slab another model only caches in."""
+        with_free = [s for s, free in self.slab_free.items() if free]
+        if not with_free and self._add_slab(shed_others=False):
+            with_free = [s for s, free in self.slab_free.items() if free]
+        if with_free:
+            return self.slab_free[min(with_free, key=lambda s: len(self.slab_free[s]))].pop()
+        if self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_keys.pop(block)]
+            return block
+        if self._add_slab(shed_others=True):
+            return self._take_block()
+        raise KVCacheBusy("the KV pool has no free block")  # can_take said there would be one
+
+    def _add_slab(self, shed_others: bool) -> bool:
+        slab = self.device.take(self, shed_others)
+        if slab is None:
+            return False
+        self.slab_free[slab] = list(reversed(self.device.blocks_in(slab, self.block_bytes)))
+        self.slab_held[slab] = 0
+        return True
+
+    def _return_if_empty(self, slab: int) -> None:
+        if self.slab_held[slab] == 0 and len(self.slab_free[slab]) == len(self.device.blocks_in(slab, self.block_bytes)):
+            del self.slab_free[slab], self.slab_held[slab]
+            self.device.give_back(slab)
+
+    def sheddable_blocks(self, block_bytes: int) -> int:
+        """Blocks (of a model with ``block_bytes``) in this model's slabs that hold no block in use."""
+        return sum(len(self.device.blocks_in(s, block_bytes)) for s, held in self.slab_held.items() if held == 0)
+
+    def _drop_cached(self, block: int) -> None:
+        del self.cached[self.block_keys.pop(block)]
+        del self.evictable[block]
+        self.slab_free[self.slab_of(block)].append(block)
+
+    def shed_one_slab(self) -> bool:
+        """Give back one slab that holds no block in use, dropping its cached blocks; False if none."""
+        slab = next((s for s, held in self.slab_held.items() if held == 0), None)
+        if slab is None:
+            return False
+        for block in [b for b in self.evictable if self.slab_of(b) == slab]:
+            self._drop_cached(block)
+        self._return_if_empty(slab)
+        return True
+
+    def shed_cache(self) -> int:
+        """Drop every cached block nobody holds and give back the slabs left empty; returns the
+        number of slabs given back (an idle model holds no KV memory after this)."""
+        before = self.num_slabs
+        for block in list(self.evictable):
+            self._drop_cached(block)
+        for slab in list(self.slab_held):
+            self._return_if_empty(slab)
+        return before - self.num_slabs
+
+    def close(self) -> None:
+        """The model unloads: every slab goes back to the device pool."""
+        self.device.unregister(self)
+        self.slab_free.clear()
+        self.slab_held.clear()
 
     def _hold(self, tenant: str, block: int) -> None:
         self.ref_counts[block] += 1
+        if self.ref_counts[block] == 1:
+            self.slab_held[self.slab_of(block)] += 1
         counter = self.held.setdefault(tenant, Counter())
         if counter[block] == 0:
             self.ledger.charge(tenant, self.block_bytes)
@@ -131,10 +198,14 @@ class BlockPool:
                 self.ledger.charge(tenant, -self.block_bytes)
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                if self.block_keys[block] is None:
-                    self.free_blocks.append(block)
-                else:
+                del self.ref_counts[block]
+                slab = self.slab_of(block)
+                self.slab_held[slab] -= 1
+                if block in self.block_keys:
                     self.evictable[block] = None
+                else:
+                    self.slab_free[slab].append(block)
+                    self._return_if_empty(slab)
         block_table.clear()
 
     # ---- prefix cache ----------------------------------------------------------------------
@@ -177,6 +248,6 @@ class BlockPool:
             key = block_hash(previous, scope, tokens[i * self.block_size:(i + 1) * self.block_size])
             seq.block_keys.append(key)
             block = seq.block_table[i]
-            if key not in self.cached and self.block_keys[block] is None:
+            if key not in self.cached and block not in self.block_keys:
                 self.cached[key] = block
                 self.block_keys[block] = key

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpushare.engine.kv_cache import BlockPool, allocate_kv_tensors
+from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sampling import prompt_logprobs, sample
 from gpushare.engine.scheduler import Batch
 from gpushare.models.llama import AttentionBatch, ForwardState
@@ -28,11 +28,11 @@ class StepInFlight:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, pool: BlockPool):
+    def __init__(self, loaded: LoadedModel, pool: BlockPool, kv_caches: list):
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
-        self.kv_caches = allocate_kv_tensors(loaded.config, pool.num_blocks, pool.block_size, loaded.dtype, loaded.device)
+        self.kv_caches = kv_caches  # per layer (K, V) views into the device KV pool (kv_pool.layer_views)
 
     def _inputs(self, seqs, chunks):
         """Token ids, positions and attention layout; prefill chunks first, then single tokens."""

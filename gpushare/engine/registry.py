@@ -9,7 +9,8 @@ held the model is never unloaded.
 keep_alive as Ollama means it: seconds (negative = forever, 0 = unload when idle); each
 request sets it anew (the request's value, else the model's, else the server default)
 and the timer starts when the model's last request ends. A pinned model ignores it.
-Each loaded model gets a KV pool of kv_budget / max_loaded_models bytes.
+Every loaded model keeps its KV cache in the engine's one pool (memory.kv_budget), which it grows
+and shrinks in as its requests need (engine/kv_pool.py).
 
 Runs on the asyncio loop; the engine and the loader are only called from worker threads.
 """
@@ -71,7 +72,6 @@ class Registry:
         mem, res = settings.memory, self.residency
         res.budget_bytes = mem.budget_bytes if mem.budget_bytes is not None else self._default_budget_bytes
         res.max_models = mem.max_loaded_models
-        res.kv_bytes_per_model = mem.kv_budget_bytes // mem.max_loaded_models
         res.warm.resize(mem.host_cache_bytes)
         self.max_requests_per_model = settings.engine.max_num_seqs + settings.server.max_queued
 

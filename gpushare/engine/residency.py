@@ -3,8 +3,8 @@
 One load job per model: concurrent requests for it wait on the same job, and the moment it
 has loaded each of them holds a lease (so nothing can evict it between the load and their
 first step). A job sizes the model from its file (memory_budget; the real size replaces
-the estimate after the first load), waits for room in memory.budget (weights + KV pools
-of every loaded model, and max_loaded_models), unloading idle models least recently used
+the estimate after the first load), waits for room in memory.budget (the engine's KV pool,
+memory.kv_budget, counts once; then the weights of every loaded model; and max_loaded_models), unloading idle models least recently used
 first, never a pinned one nor one with running or queued requests; then it loads the
 model in a worker thread, from the warm tier when it is there, else from its file with
 progress. With no idle model to unload it waits up to `room_wait_timeout_s` (RegistryFull,
@@ -48,7 +48,6 @@ class LoadedEntry:
     source: ModelSource
     model: object  # gpushare.models.loader.LoadedModel
     weight_bytes: int
-    kv_cache_bytes: int
     load_duration_s: float
     warm_load: bool  # taken from the warm tier rather than parsed from its file
     warm_key: tuple  # (file digest, dtype, weights, device): its place in the warm tier once unloaded
@@ -66,7 +65,8 @@ class LoadedEntry:
 
     @property
     def size_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes
+        """What it holds of memory.budget: its weights (its KV lives in the engine's shared pool)."""
+        return self.weight_bytes
 
 
 @dataclass
@@ -74,7 +74,7 @@ class LoadJob:
     """One model on its way in; every request for it waits on `task`."""
     source: ModelSource
     state: str = "queued"  # "queued" (sizing it, waiting for memory) | "loading"
-    reserved_bytes: int = 0  # weights + KV pool, counted against memory.budget once room is found
+    reserved_bytes: int = 0  # weights, counted against memory.budget once room is found
     done_bytes: int = 0
     total_bytes: int = 0
     waiters: int = 0  # requests waiting; they hold a lease the moment it loads
@@ -104,7 +104,6 @@ class Residency:
         self.warm = WarmCache(0)
         self.budget_bytes = 0
         self.max_models = 1
-        self.kv_bytes_per_model = 0
         self.room_wait_timeout_s = ROOM_WAIT_TIMEOUT_S
         self.closing = False
         self._sizes: dict[tuple, tuple[int, int]] = {}  # warm key -> (weight bytes, parameter count)
@@ -118,8 +117,9 @@ class Residency:
         return (source.digest(), self.dtype, self.weights_of(source), self.device)
 
     def used_bytes(self) -> int:
-        """memory.budget in use: loaded models and the loads that found room."""
-        return sum(e.size_bytes for e in self.loaded.values()) + sum(j.reserved_bytes for j in self.jobs.values())
+        """memory.budget in use: the engine's KV pool, loaded models and the loads that found room."""
+        return (self.engine.kv_pool.capacity_bytes + sum(e.size_bytes for e in self.loaded.values())
+                + sum(j.reserved_bytes for j in self.jobs.values()))
 
     def residents(self) -> list[Resident]:
         return [Resident(e.name, e.size_bytes, e.last_used,
@@ -183,11 +183,10 @@ class Residency:
                 weights = resolve_weights(self.weights_of(source), self.device, set(count.source_types))
                 self._sizes[key] = (estimate_weight_bytes(count, weights), count.parameters)
             estimate_bytes, parameter_count = self._sizes[key]
-            kv_bytes = self.kv_bytes_per_model
-            evictions = await self._wait_for_room(job, estimate_bytes + kv_bytes)
+            evictions = await self._wait_for_room(job, estimate_bytes)
             job.state = "loading"
             await asyncio.gather(*evictions, *self.unloading.values())
-            entry = await self._load(job, key, estimate_bytes, kv_bytes, parameter_count)
+            entry = await self._load(job, key, estimate_bytes, parameter_count)
             entry.active = job.waiters  # each waiting request holds a lease from this moment
             self.loaded[source.name] = entry
             self._on_loaded(entry)
@@ -205,11 +204,12 @@ class Residency:
             if self.closing:
                 raise RegistryFull(f'cannot load model "{source.name}": the daemon is stopping', 5)
             pinned_bytes = sum(e.size_bytes for e in self.loaded.values() if e.source.pinned)
-            if need_bytes + pinned_bytes > self.budget_bytes:
+            kv_pool_bytes = self.engine.kv_pool.capacity_bytes
+            if need_bytes + pinned_bytes + kv_pool_bytes > self.budget_bytes:
                 raise ModelLoadError(
                     f'failed to load model "{source.name}": not enough memory: it needs {need_bytes} bytes '
-                    f"(weights + KV pool), memory.budget is {self.budget_bytes} bytes and pinned models hold "
-                    f"{pinned_bytes}")
+                    f"of weights, memory.budget is {self.budget_bytes} bytes, the KV pool (memory.kv_budget) "
+                    f"takes {kv_pool_bytes} and pinned models hold {pinned_bytes}")
             reserving = sum(1 for j in self.jobs.values() if j.reserved_bytes)
             victims = plan_evictions(self.residents(), need_bytes, self.used_bytes(), self.budget_bytes,
                                      self.max_models, len(self.loaded) + reserving)
@@ -228,22 +228,21 @@ class Residency:
             except asyncio.TimeoutError:
                 pass
 
-    async def _load(self, job: LoadJob, key: tuple, estimate_bytes: int, kv_bytes: int,
-                    parameter_count: int) -> LoadedEntry:
+    async def _load(self, job: LoadJob, key: tuple, estimate_bytes: int, parameter_count: int) -> LoadedEntry:
         source = job.source
         warm = self.warm.take(key)
         log.info("loading model %s from %s (estimated %d bytes of weights)", source.name,
                  "the warm tier" if warm else source.path, estimate_bytes)
         t0 = time.monotonic()
         try:
-            model = await asyncio.to_thread(self._load_blocking, source, warm, job, kv_bytes)
+            model = await asyncio.to_thread(self._load_blocking, source, warm, job)
         except Exception as e:
             log.warning("loading %s failed: %s", source.name, e)
             raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
         load_s = time.monotonic() - t0
         weight_bytes = model.weight_bytes
         self._sizes[key] = (weight_bytes, parameter_count)
-        job.reserved_bytes = weight_bytes + kv_bytes
+        job.reserved_bytes = weight_bytes
         if weight_bytes > estimate_bytes:  # the estimate was low: unload more idle models, or give it all back
             victims = plan_evictions(self.residents(), 0, self.used_bytes(), self.budget_bytes, 1, 0)
             if victims is None:
@@ -254,14 +253,14 @@ class Residency:
             await asyncio.gather(*[self.start_unload(self.loaded[v.name]) for v in victims])
         log.info("loaded model %s in %.2fs%s (%d bytes of weights)", source.name, load_s,
                  " from the warm tier" if warm else "", weight_bytes)
-        return LoadedEntry(source, model, weight_bytes, kv_bytes, load_s, warm is not None, key, parameter_count)
+        return LoadedEntry(source, model, weight_bytes, load_s, warm is not None, key, parameter_count)
 
-    def _load_blocking(self, source: ModelSource, warm, job: LoadJob, kv_bytes: int):
+    def _load_blocking(self, source: ModelSource, warm, job: LoadJob):
         if warm is not None:
             model = to_device(warm, self.device)
         else:
             model = self._loader(source.path, self.dtype, self.device, job.report, weights=self.weights_of(source))
-        self.engine.add_model(source.name, model, kv_cache_bytes=kv_bytes, share_weight=source.weight)
+        self.engine.add_model(source.name, model, share_weight=source.weight)
         return model
 
     # ------------------------------------------------------------------ unload

@@ -8,11 +8,13 @@ New prompts are admitted interactive tenants first, then by smallest virtual tok
 running work (``TenantLedger.urgent_tenants``), so that their first token need not wait for it.
 When blocks run out a running sequence is preempted (blocks freed, recomputed later) so the
 engine never deadlocks: a tenant at its KV limit only ever preempts its own newest sequence;
-a short pool takes from tenants above their reservation first, newest first.
+a short pool takes from tenants above their reservation first, newest first, and, through
+``borrow`` (set by the engine, kv_sharing.py), from other models over their share of the device pool.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sequence import Sequence, Status
@@ -37,6 +39,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Preempts another model's sequence so this one can grow; False when none may be taken.
+        self.borrow: Callable[["Scheduler"], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
@@ -57,6 +61,8 @@ class Scheduler:
                 continue
             chunk = min(seq.num_pending, budget)
             while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
+                if refused == "pool" and self.borrow is not None and self.borrow(self):
+                    continue
                 victim = self.victim(seq, refused, batch)
                 self.preempt(victim)
                 if victim is seq:
@@ -83,7 +89,7 @@ class Scheduler:
             seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant), s.arrival_s))
             hit = self.pool.match_prefix(seq)
             chunk = min(seq.num_pending, budget)
-            if self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant) is not None:
+            if not self._grow_for_admission(seq, chunk, borrow=only is None):
                 self._reset(seq)
                 blocked.add(seq.tenant)
                 continue
@@ -96,6 +102,14 @@ class Scheduler:
             batch.add(seq, chunk)
             budget -= chunk
 
+    def _grow_for_admission(self, seq: Sequence, chunk: int, borrow: bool) -> bool:
+        """Blocks for a new prompt's first chunk, borrowed from other models when this one is under its
+        share (never in an urgent step: the paused step in flight may hold the sequences it would take)."""
+        while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
+            if not (refused == "pool" and borrow and self.borrow is not None and self.borrow(self)):
+                return False
+        return True
+
     def victim(self, seq: Sequence, refused: str, batch: Batch | None = None) -> Sequence:
         """Whom to preempt so ``seq`` can grow (``seq`` itself when no one else may be); never a
         sequence already in this step's batch."""
@@ -105,7 +119,7 @@ class Scheduler:
             own = [s for s in later if s.tenant == seq.tenant]
             return own[-1] if own else seq
         pool = self.pool
-        over = [s for s in later if pool.tenant_blocks(s.tenant) > pool.reserved_blocks(s.tenant)]
+        over = [s for s in later if pool.over_reservation(s.tenant)]
         return over[-1] if over else seq
 
     def _reset(self, seq: Sequence) -> None:

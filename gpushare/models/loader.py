@@ -170,11 +170,11 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
     model = build_model(config, state, torch_dtype, device, DENSE_FORMATS.get(info["weights"]))
     del state
-    _return_freed_memory()
+    return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"])
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the OS back the heap that conversion copies left free: glibc keeps it otherwise (a
     SmolLM2 int8 load holds ~260 MiB more RSS without this). Other C libraries: nothing to do."""
     try:

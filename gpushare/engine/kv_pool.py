@@ -1,0 +1,140 @@
+"""The device KV pool: one buffer per engine that every loaded model's paged KV cache lives in.
+
+The buffer is cut into slabs. A model takes a slab when its sequences need blocks and gives it
+back once no block in it is held or cached, so an idle model holds no KV memory and a busy one
+can use the whole pool. Each model sees the buffer as one array of its own blocks
+(``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, all layers of a block
+together) and may use the blocks that lie wholly inside its slabs. The slab size is a whole
+number of blocks of the first model loaded into an empty pool; a model with another block size
+loses at most one block a slab where a block straddles two slabs.
+
+On the CPU the buffer is an anonymous mapping: pages are committed when first written, and a
+slab given back is returned to the kernel (madvise DONTNEED), so resident memory follows use.
+On a GPU the buffer is allocated at once (CUDA virtual memory management is not used).
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field
+
+import torch
+
+from gpushare.models.config import ModelConfig
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+
+
+def resolve_kv_dtype(kv_dtype: str, device: str) -> torch.dtype:
+    """The KV storage dtype for the ``engine.kv_dtype`` setting. ``auto`` is bfloat16 on every
+    device: it halves float32's bytes, and on this project's oracle prompts greedy answers equal
+    float32 KV's (tests/test_kv_pool.py; measurements in docs/benchmarks.md). float16 is refused
+    on the CPU, whose attention kernels have no fast float16 path."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == "float16" and not device.startswith("cuda"):
+        raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16 or float32")
+    return torch.bfloat16 if kv_dtype == "auto" else getattr(torch, kv_dtype)
+
+
+def _allocate(capacity_bytes: int, device: str):
+    """The pool's bytes (uint8 tensor) and, on the CPU, the mapping behind them."""
+    if device.startswith("cuda"):
+        return torch.empty(capacity_bytes, dtype=torch.uint8, device=device), None
+    mapping = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8), mapping
+
+
+@dataclass
+class DeviceKVPool:
+    capacity_bytes: int
+    device: str = "cpu"
+    slab_blocks: int = 8  # blocks of the first model per slab
+    slab_bytes: int = 0  # set when the first model registers into an empty pool
+    owners: list = field(default_factory=list)  # slab -> the BlockPool holding it, or None
+    free_slabs: list[int] = field(default_factory=list)
+    members: list = field(default_factory=list)  # registered BlockPools
+
+    def __post_init__(self):
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"KV pool size must be more than zero, got {self.capacity_bytes}")
+        self.buffer, self._mapping = _allocate(self.capacity_bytes, self.device)
+
+    @property
+    def num_slabs(self) -> int:
+        return len(self.owners)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the slabs handed out (on the CPU an upper bound: pages commit when written)."""
+        return sum(self.slab_size(s) for s, owner in enumerate(self.owners) if owner is not None)
+
+    def slab_size(self, slab: int) -> int:
+        return min(self.slab_bytes, self.capacity_bytes - slab * self.slab_bytes)
+
+    def register(self, member, block_bytes: int) -> None:
+        if block_bytes > self.capacity_bytes:
+            raise ValueError(f"the KV pool ({self.capacity_bytes} bytes) is smaller than one block of "
+                             f"this model ({block_bytes} bytes); raise memory.kv_budget")
+        if not self.members:
+            self.slab_bytes = min(self.capacity_bytes, block_bytes * self.slab_blocks)
+            count = -(-self.capacity_bytes // self.slab_bytes)
+            self.owners = [None] * count
+            self.free_slabs = list(range(count - 1, -1, -1))  # pop() hands out low slabs first
+        self.members.append(member)
+
+    def unregister(self, member) -> None:
+        for slab, owner in enumerate(self.owners):
+            if owner is member:
+                self.give_back(slab)
+        self.members.remove(member)
+
+    def blocks_in(self, slab: int, block_bytes: int) -> range:
+        """Block ids (of a model with ``block_bytes``) that lie wholly inside ``slab``."""
+        start = slab * self.slab_bytes
+        end = start + self.slab_size(slab)
+        return range(-(-start // block_bytes), end // block_bytes)
+
+    def layer_views(self, config: ModelConfig, block_size: int, dtype: torch.dtype) -> list:
+        """Per layer a (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` views into the
+        buffer, blocks ``block_bytes`` apart (every layer of a block is stored together)."""
+        block_bytes = kv_bytes_per_block(config, block_size, dtype)
+        num_blocks = self.capacity_bytes // block_bytes
+        shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+        blocks = self.buffer[:num_blocks * block_bytes].view(dtype).view(shape)
+        return [(blocks[:, i, 0], blocks[:, i, 1]) for i in range(config.num_layers)]
+
+    def free_blocks_for(self, block_bytes: int) -> int:
+        return sum(len(self.blocks_in(s, block_bytes)) for s in self.free_slabs)
+
+    def take(self, member, shed_others: bool = True) -> int | None:
+        """A free slab for ``member``; else (``shed_others``) one that another model holds only
+        cached blocks in (it drops them); None when there is none."""
+        if not self.free_slabs and shed_others:
+            for other in self.members:
+                if other is not member and other.shed_one_slab():
+                    break
+        if not self.free_slabs:
+            return None
+        slab = self.free_slabs.pop()
+        self.owners[slab] = member
+        return slab
+
+    def give_back(self, slab: int) -> None:
+        self.owners[slab] = None
+        self.free_slabs.append(slab)
+        if self._mapping is not None:
+            self._decommit(slab)
+
+    def _decommit(self, slab: int) -> None:
+        """Return the slab's whole pages to the kernel: the next write finds zeroed, uncommitted pages."""
+        start = slab * self.slab_bytes
+        end = start + self.slab_size(slab)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -1,0 +1,164 @@
+"""The device KV pool: models borrow slabs as they need them, give them back, and commit memory lazily."""
+
+import threading
+
+import psutil
+import pytest
+import torch
+
+from gpushare import SamplingParams
+from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block
+from test_engine import PROMPTS, chat_ids
+from test_oracle import NEW_TOKENS
+from test_oracle import PROMPTS as ORACLE_PROMPTS
+
+MiB = 1 << 20
+
+
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_cpu_pool_commits_memory_when_written_and_returns_it_with_the_slab(llm):
+    config = llm.model.config
+    block_bytes = kv_bytes_per_block(config, 16, torch.float32)
+    before = rss_bytes()
+    pool = DeviceKVPool(512 * MiB, "cpu", slab_blocks=64)
+    assert rss_bytes() - before < 16 * MiB  # a mapping, not memory: nothing is resident yet
+    owner = object()  # stands for a model's BlockPool
+    pool.register(owner, block_bytes)
+    (k, _), *_ = pool.layer_views(config, 16, torch.float32)
+    slab = pool.take(owner)
+    blocks = pool.blocks_in(slab, block_bytes)
+    written = rss_bytes()
+    for layer_k, layer_v in pool.layer_views(config, 16, torch.float32):
+        layer_k[blocks.start:blocks.stop] = 1.0
+        layer_v[blocks.start:blocks.stop] = 1.0
+    grown = rss_bytes() - written
+    assert grown > 0.9 * pool.slab_bytes  # the slab's pages are resident once written
+    pool.give_back(slab)
+    assert written - rss_bytes() > -0.1 * pool.slab_bytes  # and returned to the kernel with the slab
+    assert k[blocks.start].abs().sum() == 0  # a returned slab reads as zeros, not as the old keys
+
+
+class TwoModels:
+    """One engine, SmolLM2 loaded twice ("a", "b") over the session's float32 weights, and a pool
+    of 100 blocks of either; records every step's block use."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+        self.engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=100 * self.per_block, max_num_seqs=48))
+        self.engine.add_model("a", llm.model)
+        self.engine.add_model("b", llm.model)
+        self.peak = {"a": 0, "b": 0}
+        self.on_peak = None
+        self.engine.on_step = self._watch
+        self.results, self.first_token_at, self.done_at = {}, {}, {}
+        self.a_running_when_b_started = None
+        self.lock = threading.Lock()
+        self.all_done = threading.Event()
+        self.expected = 0
+
+    def _watch(self, engine):
+        for name in ("a", "b"):
+            self.peak[name] = max(self.peak[name], engine.workers[name].scheduler.pool.num_used)
+        if self.on_peak is not None and self.peak["a"] > 90:
+            on_peak, self.on_peak = self.on_peak, None
+            on_peak()
+
+    def submit(self, model, key, ids, params):
+        self.expected += 1
+        tokens = []
+
+        def on_output(out):
+            tokens.extend(out.token_ids)
+            if out.token_ids and key not in self.first_token_at:
+                self.first_token_at[key] = self.engine.steps
+                if model == "b" and self.a_running_when_b_started is None:
+                    self.a_running_when_b_started = len(self.engine.workers["a"].scheduler.running)
+            if out.finished:
+                with self.lock:
+                    self.results[key] = (tokens, out.finish_reason, out.error)
+                    self.done_at[key] = self.engine.steps
+                    if len(self.results) == self.expected:
+                        self.all_done.set()
+
+        self.engine.submit(model, ids, params, on_output)
+
+
+def test_a_busy_model_borrows_an_idle_ones_share_and_gives_it_back(llm):
+    run = TwoModels(llm)
+    a_prompts = [chat_ids(llm, f"{PROMPTS[i % len(PROMPTS)]} (question {i})") for i in range(40)]
+    b_prompts = [chat_ids(llm, p) for p in PROMPTS[:6]]
+    expected_a = [o.token_ids for o in llm.generate(a_prompts, greedy(64))]
+    expected_b = [o.token_ids for o in llm.generate(b_prompts, greedy(16))]
+    for i, ids in enumerate(a_prompts):
+        run.submit("a", ("a", i), ids, greedy(64))
+    # B's burst comes while A holds (nearly) the whole pool
+    run.on_peak = lambda: [run.submit("b", ("b", i), ids, greedy(16)) for i, ids in enumerate(b_prompts)]
+    run.engine.start()
+    try:
+        assert run.all_done.wait(600)
+    finally:
+        run.engine.shutdown()
+    assert run.peak["a"] > 90  # B idle: A borrowed its share (100 blocks in all)
+    assert [run.results["a", i][0] for i in range(40)] == expected_a
+    assert [run.results["b", i][0] for i in range(6)] == expected_b
+    # B was served while A's streams still ran: A gave blocks back, B did not wait for A to finish
+    assert run.a_running_when_b_started > 0
+    assert max(run.done_at["b", i] for i in range(6)) < max(run.done_at["a", i] for i in range(40))
+    assert run.peak["b"] > 0 and run.engine.workers["b"].scheduler.num_preemptions == 0
+    assert run.engine.workers["a"].scheduler.num_preemptions > 0
+
+
+def test_idle_models_give_their_slabs_back(llm):
+    per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=64 * per_block, kv_idle_release_s=0.2))
+    engine.add_model("m", llm.model)
+    engine.start()
+    try:
+        done = threading.Event()
+        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(40), lambda out: out.finished and done.set())
+        assert done.wait(120)
+        stats = engine.stats()
+        assert stats.models["m"].cached_blocks > 0  # the finished chat's prefix stays cached a while
+        deadline = threading.Event()
+        for _ in range(100):
+            if engine.stats().kv_committed_bytes == 0:
+                break
+            deadline.wait(0.1)
+        stats = engine.stats()
+        assert stats.kv_committed_bytes == 0 and stats.models["m"].cached_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def auto_kv_llm(smollm2_path):
+    from gpushare import LLM
+
+    model = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2)  # kv_dtype auto
+    yield model
+    model.shutdown()
+
+
+def test_auto_kv_dtype_is_bfloat16_and_answers_as_float32_kv_on_the_oracle_prompts(llm, auto_kv_llm):
+    assert auto_kv_llm.engine.kv_dtype == torch.bfloat16
+    convs = [[{"role": "user", "content": p}] for p in ORACLE_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in auto_kv_llm.chat(convs, params)] == [o.token_ids for o in llm.chat(convs, params)]
+    per_block = auto_kv_llm.engine.stats().models[auto_kv_llm.model_name].block_bytes
+    assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)  # half float32's bytes
+
+
+def test_a_pool_smaller_than_a_block_is_refused_naming_the_sizes(llm):
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=1000))
+    with pytest.raises(ValueError, match=r"the KV pool \(1000 bytes\) is smaller than one block of this model "
+                                         r"\(737280 bytes\); raise memory.kv_budget"):
+        engine.add_model("m", llm.model)
