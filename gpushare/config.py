@@ -58,14 +58,14 @@ class ModelEntry:
 
 @dataclass
 class EngineSettings:
-    dtype: str = "auto"  # activations and KV; auto: bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # activations; auto: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_threads: int | None = None  # torch threads for the engine; None: torch's choice
-    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 (engine/kv_pool.resolve_kv_dtype)
+    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 on CUDA, float32 on CPU (engine/kv_pool.resolve_kv_dtype)
 
 
 @dataclass

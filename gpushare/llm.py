@@ -27,8 +27,8 @@ class LLM:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None, weights: str = "auto",
                  kv_dtype: str = "auto"):
         """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int8
-        for a quantized GGUF on the CPU); ``kv_dtype``: the KV cache's (``auto``: bfloat16).
-        ``weights="float32", kv_dtype="float32"`` with ``dtype="float32"`` is the exact path."""
+        for a quantized GGUF on the CPU); ``kv_dtype``: the KV cache's (``auto``: float32 on the CPU).
+        ``weights="float32"`` with ``dtype="float32"`` is the exact path."""
         self.model = load_model(model, dtype=dtype, device=device, weights=weights)
         self.model_name = model
         self.engine = Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -140,21 +140,29 @@ def test_idle_models_give_their_slabs_back(llm):
 
 
 @pytest.fixture(scope="module")
-def auto_kv_llm(smollm2_path):
+def bf16_kv_llm(smollm2_path):
     from gpushare import LLM
 
-    model = LLM(smollm2_path, dtype="float32", weights="float32", num_threads=2)  # kv_dtype auto
+    model = LLM(smollm2_path, dtype="float32", weights="float32", kv_dtype="bfloat16", num_threads=2)
     yield model
     model.shutdown()
 
 
-def test_auto_kv_dtype_is_bfloat16_and_answers_as_float32_kv_on_the_oracle_prompts(llm, auto_kv_llm):
-    assert auto_kv_llm.engine.kv_dtype == torch.bfloat16
+def test_bfloat16_kv_answers_as_float32_kv_on_the_oracle_prompts_in_half_the_bytes(llm, bf16_kv_llm):
     convs = [[{"role": "user", "content": p}] for p in ORACLE_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    assert [o.token_ids for o in auto_kv_llm.chat(convs, params)] == [o.token_ids for o in llm.chat(convs, params)]
-    per_block = auto_kv_llm.engine.stats().models[auto_kv_llm.model_name].block_bytes
-    assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)  # half float32's bytes
+    assert [o.token_ids for o in bf16_kv_llm.chat(convs, params)] == [o.token_ids for o in llm.chat(convs, params)]
+    per_block = bf16_kv_llm.engine.stats().models[bf16_kv_llm.model_name].block_bytes
+    assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)
+
+
+def test_auto_kv_dtype_is_float32_on_the_cpu_and_bfloat16_on_a_gpu():
+    from gpushare.engine.kv_pool import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "cpu") == torch.float32  # bfloat16 would make prefix-cache hits change answers
+    assert resolve_kv_dtype("auto", "cuda:0") == torch.bfloat16
+    with pytest.raises(ValueError, match="engine.kv_dtype: float16 is for GPUs"):
+        resolve_kv_dtype("float16", "cpu")
 
 
 def test_a_pool_smaller_than_a_block_is_refused_naming_the_sizes(llm):

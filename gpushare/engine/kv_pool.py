@@ -30,15 +30,20 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def resolve_kv_dtype(kv_dtype: str, device: str) -> torch.dtype:
-    """The KV storage dtype for the ``engine.kv_dtype`` setting. ``auto`` is bfloat16 on every
-    device: it halves float32's bytes, and on this project's oracle prompts greedy answers equal
-    float32 KV's (tests/test_kv_pool.py; measurements in docs/benchmarks.md). float16 is refused
-    on the CPU, whose attention kernels have no fast float16 path."""
+    """The KV storage dtype for the ``engine.kv_dtype`` setting. ``auto``: bfloat16 on a GPU (the
+    compute dtype there); float32 on the CPU. Measured on the CPU (docs/benchmarks.md), bfloat16 KV
+    keeps the oracle prompts' greedy answers and the perplexity (22.515 vs 22.520), but K/V rows
+    that come from the prefix cache and rows computed afresh differ in their last bits, which
+    bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on): with it an answer
+    would depend on what ran before. float16 is refused on the CPU (no fast float16 kernels)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype == "float16" and not device.startswith("cuda"):
+    on_gpu = device.startswith("cuda")
+    if kv_dtype == "float16" and not on_gpu:
         raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16 or float32")
-    return torch.bfloat16 if kv_dtype == "auto" else getattr(torch, kv_dtype)
+    if kv_dtype == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return getattr(torch, kv_dtype)
 
 
 def _allocate(capacity_bytes: int, device: str):

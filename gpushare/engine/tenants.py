@@ -1,8 +1,8 @@
 """Tenants inside the engine: policies, KV use across models, and virtual token counters.
 
-A tenant's KV use is the bytes of the blocks its sequences hold, summed over every model's pool.
-``kv_limit`` caps it; ``kv_reserved`` keeps blocks aside in each pool that no other tenant may
-take (enforced per pool: a reservation is a guarantee wherever the tenant sends its requests).
+A tenant's KV use is the bytes of the blocks its sequences hold, summed over every model.
+``kv_limit`` caps it; ``kv_reserved`` is kept aside in the device KV pool: no other tenant may
+take the part of it the tenant does not use, whatever model either sends its requests to.
 Token quantities (``*_tokens``) are turned into bytes with the bytes-per-token of the model.
 Fair share follows the VTC idea: each tenant's counter grows by the tokens computed for it divided
 by its weight, and waiting requests of the tenant with the smallest counter are admitted first.
