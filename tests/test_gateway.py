@@ -24,11 +24,17 @@ GATEWAY = {"server": {"trust_gateway_headers": True, "open_gateway_metrics": Tru
            "engine": {"max_num_seqs": 1},  # one request runs, the next ones wait in the engine
            "tenants": TENANTS}
 FAIRNESS, OBJECTIVE = "x-gateway-inference-fairness-id", "x-gateway-inference-objective"
+OTHER = "other:135m"  # the same file under a second name: a second model with its own pool and gauges
+
+
+def gateway_config(smollm2_path: str, **server) -> dict:
+    models = [{"name": name, "path": smollm2_path, "preload": True} for name in (MODEL, OTHER)]
+    return {**GATEWAY, "models": models, "server": {**GATEWAY["server"], **server}}
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
-    with serving(tmp_path_factory.mktemp("gateway"), smollm2_path, GATEWAY) as d:
+    with serving(tmp_path_factory.mktemp("gateway"), smollm2_path, gateway_config(smollm2_path)) as d:
         yield d
 
 
@@ -68,12 +74,13 @@ def complete(daemon: Daemon, key: str, headers: dict | None = None) -> None:
 
 def test_the_vllm_gauges_exist_per_model_and_move_while_requests_queue(daemon):
     idle = gateway_scrape(daemon)
-    assert gauge(idle, "vllm:num_requests_waiting") == {MODEL: 0}
-    assert gauge(idle, "vllm:num_requests_running") == {MODEL: 0}
-    assert gauge(idle, "vllm:kv_cache_usage_perc") == {MODEL: 0}
-    [info] = idle["vllm:cache_config_info"].samples
-    assert info.value == 1 and info.labels["model_name"] == MODEL and info.labels["block_size"] == "16"
-    assert int(info.labels["num_gpu_blocks"]) > 0
+    assert gauge(idle, "vllm:num_requests_waiting") == {MODEL: 0, OTHER: 0}
+    assert gauge(idle, "vllm:num_requests_running") == {MODEL: 0, OTHER: 0}
+    assert gauge(idle, "vllm:kv_cache_usage_perc") == {MODEL: 0, OTHER: 0}
+    infos = {s.labels["model_name"]: s for s in idle["vllm:cache_config_info"].samples}
+    assert set(infos) == {MODEL, OTHER}
+    info = infos[MODEL]
+    assert info.value == 1 and info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
 
     running = long_stream(daemon, CHAT_KEY)  # holds the one place in the batch
     queued = [long_stream(daemon, CHAT_KEY, wait_for_first_token=False) for _ in range(2)]
@@ -81,14 +88,17 @@ def test_the_vllm_gauges_exist_per_model_and_move_while_requests_queue(daemon):
         busy = wait_for(lambda: (m := gateway_scrape(daemon)) and
                         gauge(m, "vllm:num_requests_waiting")[MODEL] == 2 and m, timeout_s=60)
         assert busy, "the two queued requests never showed as waiting"
-        assert gauge(busy, "vllm:num_requests_running") == {MODEL: 1}
-        usage = gauge(busy, "vllm:kv_cache_usage_perc")[MODEL]
-        assert 0 < usage <= 1
-        # The fraction is the blocks held over the pool the info gauge names.
+        assert gauge(busy, "vllm:num_requests_waiting")[OTHER] == 0  # each model's own queue
+        assert gauge(busy, "vllm:num_requests_running") == {MODEL: 1, OTHER: 0}
+        usage = gauge(busy, "vllm:kv_cache_usage_perc")
+        assert 0 < usage[MODEL] <= 1 and usage[OTHER] == 0
+        # /metrics carries them too, beside our names: the fraction is the blocks held over the pool
+        # the info gauge names (within the one block the running stream may take between two reads).
         status, text, _ = http("GET", daemon.url + "/metrics", headers={"Authorization": f"Bearer {OPS_KEY}"})
-        own = {s.name: s.value for s in families(text)["gpushare_kv_blocks_used"].samples}
-        assert usage == pytest.approx(own["gpushare_kv_blocks_used"] / int(info.labels["num_gpu_blocks"]))
-        assert "vllm:num_requests_waiting" in families(text)  # /metrics carries them too, beside our names
+        fams = families(text)
+        used = {s.labels["model"]: s.value for s in fams["gpushare_kv_blocks_used"].samples}
+        total = int(info.labels["num_gpu_blocks"])
+        assert abs(gauge(fams, "vllm:kv_cache_usage_perc")[MODEL] * total - used[MODEL]) <= 1
     finally:
         for conn in [running, *queued]:
             conn.close()
@@ -130,7 +140,7 @@ def test_untrusted_headers_are_ignored(daemon, tmp_path_factory, smollm2_path):
     port = int(daemon.host.split(":")[1])
     reloads = daemon.log().count("config reloaded")
     write_config(daemon.models_dir.parent, port, smollm2_path,
-                 {**GATEWAY, "server": {"trust_gateway_headers": False, "open_gateway_metrics": False}})
+                 gateway_config(smollm2_path, trust_gateway_headers=False, open_gateway_metrics=False))
     daemon.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: daemon.log().count("config reloaded") > reloads, timeout_s=30), daemon.log()
     before = requests_by_tenant(daemon)
