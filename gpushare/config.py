@@ -43,6 +43,8 @@ class ServerSettings:
     min_keep_alive_s: float = 60.0  # with tenants, a shorter request keep_alive (> 0) needs an admin
     origins: list[str] = field(default_factory=list)  # browser origins allowed beyond the loopback defaults
     write_timeout_s: float = 60.0  # a stream whose client reads nothing for this long is dropped
+    trust_gateway_headers: bool = False  # x-gateway-inference-fairness-id/-objective pick tenant queue, priority
+    open_gateway_metrics: bool = False  # /metrics/gateway (vllm:* gauges only) answers without a key
 
 
 @dataclass
@@ -94,7 +96,7 @@ class Settings:
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
     reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
-                       "write_timeout"}, "server.")
+                       "write_timeout", "trust_gateway_headers", "open_gateway_metrics"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -117,6 +119,11 @@ def _read_server(raw: Any) -> ServerSettings:
         s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
         if s.min_keep_alive_s < 0:
             raise ConfigError(f"server.min_keep_alive: must not be negative, got {d['min_keep_alive']!r}")
+    for flag in ("trust_gateway_headers", "open_gateway_metrics"):
+        if flag in d:
+            if not isinstance(d[flag], bool):
+                raise ConfigError(f"server.{flag}: must be true or false, got {d[flag]!r}")
+            setattr(s, flag, d[flag])
     return s
 
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError
 
-MONITORING_PATHS = frozenset({"/health", "/ready", "/metrics"})
+MONITORING_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/gateway"})
 DRAIN_RETRY_AFTER_S = 5
 
 

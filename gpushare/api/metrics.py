@@ -1,5 +1,8 @@
 """Prometheus metrics at /metrics, from one CollectorRegistry per app (never the global one).
 
+The vLLM-named per-model gauges a gateway's endpoint picker reads come from
+api/gateway_metrics.py, here and alone at /metrics/gateway.
+
 Counted per request, labelled by model and tenant: requests by outcome, prompt, generated
 and prefix-cache-hit tokens, time to first token and inter-token latency. Read at scrape
 time: the engine's queue depth, running sequences, KV blocks (used, free, cached, reserved)
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpushare.api import gateway_metrics
 from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
@@ -313,5 +317,6 @@ async def _sample_registry_every_second(app: web.Application):
 def setup(app: web.Application, ctx: ApiContext) -> None:
     """Route /metrics and sample the registry while the app runs (build_app lists `metrics_middleware`)."""
     app[METRICS] = Metrics(ctx)
+    app[METRICS].registry.register(gateway_metrics.setup(app, ctx))
     app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_sample_registry_every_second)

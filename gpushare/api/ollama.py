@@ -145,7 +145,8 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
             return [{**base, "created_at": now_rfc3339(), **empty, "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant) as engine_stream:
+        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
+                          ticket.priority) as engine_stream:
             if stream:
                 fmt = StreamFormat(sse=False, piece=lambda text: {**base, "created_at": now_rfc3339(), **piece(text),
                                                                    "done": False},

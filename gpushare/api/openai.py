@@ -158,7 +158,8 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
                 chunks.append({**base, "choices": [], "usage": _usage(out)})
             return chunks
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant) as engine_stream:
+        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
+                          ticket.priority) as engine_stream:
             if stream:
                 fmt = StreamFormat(sse=True, head=head, piece=lambda text: chunk(choice(text, None)), tail=tail,
                                    error=lambda err: error_body(request.path, err))

@@ -38,14 +38,15 @@ class EngineStream:
     """One request submitted to the engine; iterate it for RequestOutputs until finished."""
 
     def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams,
-                 tenant: str = DEFAULT_TENANT):
+                 tenant: str = DEFAULT_TENANT, priority: str | None = None):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
         self._record = record_for_stream(model_name, tenant)  # the request's metrics (api/metrics.py)
         try:
-            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant)
+            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant,
+                                            priority=priority)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except EngineFailed as e:

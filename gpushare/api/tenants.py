@@ -41,11 +41,13 @@ from aiohttp import web
 
 from gpushare.api.context import CONTEXT, ApiContext, context
 from gpushare.api.errors import ApiError
+from gpushare.api.gateway import GatewayHeaders
 from gpushare.config import Settings, TenantSettings
 from gpushare.engine.registry import ModelNotFound
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
+GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
 INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
@@ -199,11 +201,13 @@ class TenantState:
 
 
 class Ticket:
-    """A request's admission: its tenant's name for the engine, and the tokens it was charged."""
+    """A request's admission: the tenant and priority the engine schedules it as (the key's tenant, or
+    one a trusted gateway named: api/gateway.py), and the tokens it was charged to the key's tenant."""
 
     def __init__(self, state: TenantState):
         self.state = state
         self.tenant = state.name
+        self.priority: str | None = None  # None: the engine tenant's own
         self.charged_tokens = 0
         self.timings = None  # gpushare.api.streaming.Timings: what the answer really used
 
@@ -225,6 +229,7 @@ class TenantGate:
         self.default = TenantState(TenantSettings(DEFAULT_TENANT), 0)
         self.states: dict[str, TenantState] = {}
         self._key_digests: list[tuple[bytes, str]] = []
+        self.gateway = GatewayHeaders()
 
     @property
     def enabled(self) -> bool:
@@ -273,7 +278,7 @@ def gate_of(target: ApiContext | web.Application | web.Request) -> TenantGate:
 @web.middleware
 async def tenant_middleware(request: web.Request, handler):
     """Identify the tenant of every request but the open paths (401 when it cannot be)."""
-    if request.path not in OPEN_PATHS:
+    if request.path not in OPEN_PATHS and not _open_gateway_metrics(request):
         state = request[TENANT] = gate_of(request).identify(presented_key(request))
         if request.method == "POST" and request.path in INFERENCE_PATHS:
             # Refused before its body is read: a tenant's flood of 429s costs no body read or JSON
@@ -282,6 +287,10 @@ async def tenant_middleware(request: web.Request, handler):
             if refused is not None:
                 raise refused
     return await handler(request)
+
+
+def _open_gateway_metrics(request: web.Request) -> bool:
+    return request.path == GATEWAY_METRICS_PATH and context(request).settings.server.open_gateway_metrics
 
 
 def tenant_of(request: web.Request) -> TenantState:
@@ -338,6 +347,10 @@ async def admit(request: web.Request, model: str):
     state = tenant_of(request)
     await state.acquire()
     ticket = Ticket(state)
+    gate = gate_of(request)
+    route = gate.gateway.route(request.headers, state.name, gate.states.keys(),
+                               context(request).settings.server.trust_gateway_headers)
+    ticket.tenant, ticket.priority = route.tenant, route.priority
     try:
         yield ticket
     finally:

@@ -162,12 +162,13 @@ class Engine:
 
     def submit(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
                on_output: Callable[[RequestOutput], None], request_id: str | None = None,
-               tenant: str = "default") -> str:
+               tenant: str = "default", priority: str | None = None) -> str:
+        """`priority` overrides the tenant's for this request (interactive or batch; None: the tenant's)."""
         worker = self.workers.get(model_name)
         if worker is None:
             raise KeyError(f"model {model_name!r} is not loaded")
         seq = new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, prompt_ids, params,
-                           on_output, request_id, tenant)
+                           on_output, request_id, tenant, priority)
         self._put_work(("submit", seq))
         return seq.request_id
 
@@ -386,10 +387,11 @@ class Engine:
         """Waiting prompts of tenants ahead of all running work get a step of their own. That step
         may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
         workers = list(self.workers.values())
-        waiting = {s.tenant for w in workers for s in w.scheduler.waiting}
+        waiting = {(s.tenant, s.priority) for w in workers for s in w.scheduler.waiting}
         if not waiting:  # the usual case in a busy loop: nothing to weigh
             return
-        urgent = self.ledger.urgent_tenants(waiting, {s.tenant for w in workers for s in w.scheduler.running})
+        urgent = self.ledger.urgent_tenants(waiting, {(s.tenant, s.priority) for w in workers
+                                                      for s in w.scheduler.running})
         if not urgent:
             return
         for worker in workers:

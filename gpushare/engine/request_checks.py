@@ -8,14 +8,17 @@ import torch
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import Sequence
-from gpushare.engine.tenants import TenantLedger
+from gpushare.engine.tenants import PRIORITIES, TenantLedger
 from gpushare.models.loader import LoadedModel
 
 
 def new_sequence(loaded: LoadedModel, pool: BlockPool, ledger: TenantLedger, model_name: str, prompt_ids: list[int],
-                 params: SamplingParams, on_output, request_id: str | None, tenant: str) -> Sequence:
+                 params: SamplingParams, on_output, request_id: str | None, tenant: str,
+                 priority: str | None = None) -> Sequence:
     """A sequence for the request; ValueError saying what is wrong when it cannot run."""
     params.validate()
+    if priority is not None and priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     if not prompt_ids:
         raise ValueError("prompt is empty")
     vocab = loaded.config.vocab_size
@@ -40,7 +43,7 @@ def new_sequence(loaded: LoadedModel, pool: BlockPool, ledger: TenantLedger, mod
         raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
                          f"than tenant {tenant!r}'s kv_limit ({limit // pool.bytes_per_token} tokens)")
     seq = Sequence(request_id or uuid.uuid4().hex, model_name, list(prompt_ids), params, on_output, tenant,
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, priority=priority)
     if params.prompt_logprobs is not None:
         seq.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
     if params.seed is not None:

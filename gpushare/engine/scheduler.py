@@ -73,20 +73,22 @@ class Scheduler:
         self._admit(batch, budget)
         return batch
 
-    def schedule_urgent(self, tenants: set[str]) -> Batch:
-        """A step of these tenants' waiting prompts alone, never growing or preempting running
-        sequences: the engine runs it ahead of (or in the middle of) a step of other tenants' work."""
+    def schedule_urgent(self, classes: set[tuple[str, str | None]]) -> Batch:
+        """A step of these (tenant, request priority) pairs' waiting prompts alone, never growing or
+        preempting running sequences: the engine runs it ahead of (or in the middle of) a step of
+        other tenants' work."""
         batch = Batch()
-        self._admit(batch, self.max_num_batched_tokens, tenants)
+        self._admit(batch, self.max_num_batched_tokens, classes)
         return batch
 
-    def _admit(self, batch: Batch, budget: int, only: set[str] | None = None) -> None:
+    def _admit(self, batch: Batch, budget: int, only: set[tuple[str, str | None]] | None = None) -> None:
         blocked: set[str] = set()  # tenants that could not get blocks this step
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            candidates = [s for s in self.waiting if s.tenant not in blocked and (only is None or s.tenant in only)]
+            candidates = [s for s in self.waiting
+                          if s.tenant not in blocked and (only is None or (s.tenant, s.priority) in only)]
             if not candidates:
                 return
-            seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant), s.arrival_s))
+            seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant, s.priority), s.arrival_s))
             hit = self.pool.match_prefix(seq)
             chunk = min(seq.num_pending, budget)
             if not self._grow_for_admission(seq, chunk, borrow=only is None):

@@ -40,6 +40,7 @@ class Sequence:
     on_output: Callable[[RequestOutput], None]
     tenant: str = "default"
     max_tokens: int = 0
+    priority: str | None = None  # this request's own (a trusted gateway's objective); None: its tenant's
     arrival_s: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

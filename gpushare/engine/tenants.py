@@ -85,21 +85,25 @@ class TenantLedger:
         if others:
             self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), min(others))
 
-    def admission_key(self, tenant: str):
-        return (PRIORITIES.index(self.policy(tenant).priority), self.virtual_tokens.get(tenant, 0.0))
+    def admission_key(self, tenant: str, priority: str | None = None):
+        """`priority`: the request's own (a trusted gateway's objective); None: the tenant's."""
+        return (PRIORITIES.index(priority or self.policy(tenant).priority), self.virtual_tokens.get(tenant, 0.0))
 
-    def urgent_tenants(self, waiting: set[str], running: set[str]) -> set[str]:
-        """Tenants with waiting prompts that go ahead of the running work, in a step of their own:
-        those of a higher priority than every other tenant with running sequences, and those of the
-        same priority that have nothing running and no more than their fair share so far (a tenant
-        already running is being served; its new prompts join the batch)."""
-        keys = {t: self.admission_key(t) for t in waiting | running}
+    def urgent_tenants(self, waiting: set[tuple[str, str | None]],
+                       running: set[tuple[str, str | None]]) -> set[tuple[str, str | None]]:
+        """(tenant, request priority) pairs with waiting prompts that go ahead of the running work, in
+        a step of their own: those of a higher priority than every other tenant's running sequences,
+        and those of the same priority whose tenant has nothing running and no more than its fair
+        share so far (a tenant already running is being served; its new prompts join the batch).
+        A priority None is the tenant's own."""
+        keys = {c: self.admission_key(*c) for c in waiting | running}
+        running_tenants = {tenant for tenant, _ in running}
         urgent = set()
-        for tenant in waiting:
-            others = [keys[t] for t in running if t != tenant]
+        for cls in waiting:
+            others = [keys[c] for c in running if c[0] != cls[0]]
             if not others:
                 continue
             first = min(others)
-            if keys[tenant][0] < first[0] or (tenant not in running and keys[tenant] <= first):
-                urgent.add(tenant)
+            if keys[cls][0] < first[0] or (cls[0] not in running_tenants and keys[cls] <= first):
+                urgent.add(cls)
         return urgent
