@@ -10,6 +10,7 @@ sequence never calls into this module.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ def check_schema(schema) -> str:
     cannot be enforced (an unknown keyword is refused rather than silently not enforced)."""
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"must be a JSON Schema object, got {json.dumps(schema)[:80]}")
+    return _grammar(json.dumps(schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=128)  # clients send the same few schemas again and again; compiling can take 0.1 s
+def _grammar(schema_text: str) -> str:
+    schema = json.loads(schema_text)
     import jsonschema  # the meta-schema check names invalid schemas the way their authors' tools do
 
     try:
