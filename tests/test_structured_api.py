@@ -148,6 +148,20 @@ def test_ollama_tool_call_and_history(daemon, olm):
     assert r.message.content and r.prompt_eval_count > bare.prompt_eval_count
 
 
+def test_ollama_tool_call_streamed(daemon):
+    from http.client import HTTPConnection
+    conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
+    conn.request("POST", "/api/chat", json.dumps({
+        "model": MODEL, "messages": WEATHER_ASK, "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "options": {"temperature": 0, "num_predict": 80}}))
+    chunks = [ollama.ChatResponse.model_validate(json.loads(line)) for line in conn.getresponse().read().splitlines()]
+    calls = [call for c in chunks for call in c.message.tool_calls or []]
+    assert [call.function.name for call in calls] == ["get_weather"]
+    jsonschema.validate(dict(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert not "".join(c.message.content or "" for c in chunks) and chunks[-1].done
+
+
 # ---------------------------------------------------------------------------- logprobs
 
 def test_openai_chat_greedy_top_logprob_is_the_chosen_token(oai):

@@ -43,7 +43,7 @@ def check_schema(schema) -> str:
     cannot be enforced (an unknown keyword is refused rather than silently not enforced)."""
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"must be a JSON Schema object, got {json.dumps(schema)[:80]}")
-    return _grammar(json.dumps(schema, sort_keys=True))
+    return _grammar(json.dumps(schema))  # key order kept: properties are written in the order given
 
 
 @functools.lru_cache(maxsize=128)  # clients send the same few schemas again and again; compiling can take 0.1 s
