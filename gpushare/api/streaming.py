@@ -93,9 +93,12 @@ class Timings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
 
+    generated_by_answer: dict = field(default_factory=dict)  # n > 1: answer index -> its tokens
+
     def observe(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
-        self.generated_tokens = out.num_generated_tokens
+        self.generated_by_answer[out.index] = out.num_generated_tokens
+        self.generated_tokens = sum(self.generated_by_answer.values())
         if out.first_token_time_s is not None:
             self.first_token_s = out.first_token_time_s
         if out.finished:
