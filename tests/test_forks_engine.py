@@ -109,3 +109,19 @@ def test_each_answer_keeps_its_own_grammar(llm):
         for value in values:
             jsonschema.validate(value, SCHEMA)
         assert answers.reasons == {0: "stop", 1: "stop", 2: "stop"}
+
+
+def test_a_step_failing_after_the_fork_ends_every_answer_and_frees_its_blocks(llm, monkeypatch):
+    """A bug injected into sampling, in the step that forks: no answer is left behind holding blocks."""
+    from gpushare.engine import model_runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(model_runner, "sample_batch", broken)
+    engine = small_engine(llm, 64)
+    answers = Answers(3)
+    engine.submit("m", chat_ids(llm, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=6, n=3), answers)
+    with running(engine):
+        answers.wait()
+        assert answers.reasons == {0: "error", 1: "error", 2: "error"}

@@ -376,7 +376,12 @@ class Engine:
         except Exception as e:  # a failed step fails its batch, never the engine
             log.exception("engine step failed for model %s", worker.name)
             for seq in batch.seqs:
-                self._finish(worker, seq, "error", error=f"engine step failed: {e}")
+                for child in seq.forks:
+                    if child.request_id not in self.requests:  # forked by the failed step: take it in to end it
+                        self.requests[child.request_id] = child
+                        worker.scheduler.adopt(child)
+                for answer in [seq, *seq.forks]:
+                    self._finish(worker, answer, "error", error=f"engine step failed: {e}")
             return
         worker.steps += 1
         worker.virtual_steps += 1 / worker.share_weight
