@@ -261,7 +261,7 @@ def test_n_shares_the_prompt_kv_blocks(daemon):
     def blocks_used():
         return http("GET", daemon.url + "/api/ps")[1]["models"][0]["kv_blocks_used"]
 
-    assert blocks_used() == 0
+    assert wait_idle(daemon, blocks_used)
     long = {"temperature": 0, "max_tokens": 500, "ignore_eos": True}
     conn = _first_tokens(daemon, {"prompt": "Story: " + story, "n": 4, **long}, 4)
     forked = blocks_used()

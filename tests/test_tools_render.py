@@ -75,7 +75,8 @@ def test_tool_choice_none_offers_no_tools(gguf_meta):
 
 
 @pytest.mark.parametrize("text, calls", [
-    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', [{"name": "get_weather", "arguments": {"city": "Oslo"}}]),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+     [{"name": "get_weather", "arguments": {"city": "Oslo"}}]),
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
      [{"name": "get_weather", "arguments": {"city": "Rome"}}]),
     ('[{"name": "get_weather", "arguments": {}}, {"name": "get_weather", "parameters": {"city": "Lima"}}]',

@@ -66,7 +66,8 @@ def parse_tools(body: dict) -> ToolSpec:
             raise bad_request(f'"{where}.function" must be an object', param=where + ".function")
         name = function.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request(f'"{where}.function.name" is required: a non-empty string', param=where + ".function.name")
+            raise bad_request(f'"{where}.function.name" is required: a non-empty string',
+                              param=where + ".function.name")
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
