@@ -19,6 +19,8 @@ class CompletionOutput:
     # With SamplingParams(prompt_logprobs=k): one entry per prompt position, the first None, each
     # other {token_id: logprob} for the prompt token and the k most likely ones (vLLM's shape).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams(logprobs=k): one TokenLogprobs per generated token that made text.
+    logprobs: list | None = None
 
 
 class LLM:
@@ -71,21 +73,25 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} inputs")
         for p in params:
             p.validate()
+            if p.n != 1:
+                raise ValueError(f"n must be 1 in the offline API (one answer per prompt; repeat the prompt "
+                                 f"instead), got {p.n}")
         results = [None] * len(token_lists)
         done = threading.Semaphore(0)
         ids = []
 
         def collector(index):
-            texts, tokens, prompt_logprobs = [], [], []
+            texts, tokens, prompt_logprobs, logprobs = [], [], [], []
 
             def on_output(out):
                 texts.append(out.text)
                 tokens.extend(out.token_ids)
+                logprobs.extend(out.logprobs or [])
                 if out.prompt_logprobs is not None:
                     prompt_logprobs.append(out.prompt_logprobs)
                 if out.finished:
                     first = prompt_logprobs[0] if prompt_logprobs else None
-                    results[index] = (out, "".join(texts), list(tokens), first)
+                    results[index] = (out, "".join(texts), list(tokens), first, logprobs)
                     done.release()
             return on_output
 
@@ -99,8 +105,9 @@ class LLM:
         for _ in ids:
             done.acquire()
         outputs = []
-        for tokens, (out, text, new_ids, prompt_logprobs) in zip(token_lists, results):
+        for tokens, p, (out, text, new_ids, prompt_logprobs, logprobs) in zip(token_lists, params, results):
             if out.finish_reason == "error":
                 raise RuntimeError(out.error)
-            outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens, prompt_logprobs))
+            outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens, prompt_logprobs,
+                                            logprobs if p.logprobs is not None else None))
         return outputs

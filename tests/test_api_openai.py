@@ -144,10 +144,10 @@ def test_unknown_model_is_404(client):
     assert info.value.body["message"] == 'model "nope" not found' and info.value.body["code"] == "model_not_found"
 
 
-def test_n_above_one_is_rejected(client):
+def test_n_above_max_num_seqs_is_rejected(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
-    assert info.value.body["param"] == "n" and "one choice per request" in info.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=5)
+    assert info.value.body["param"] == "n" and "at most engine.max_num_seqs (2)" in info.value.body["message"]
 
 
 def test_prompt_longer_than_the_context_is_400(client):

@@ -46,10 +46,11 @@ def encode_text(model, text: str) -> list[int]:
     return model.tokenizer.encode(text, add_special_tokens=True)
 
 
-def encode_chat(model, messages: list[dict]) -> list[int]:
-    """A conversation through the model's chat template (which writes its own special tokens)."""
+def encode_chat(model, messages: list[dict], **extra) -> list[int]:
+    """A conversation through the model's chat template (which writes its own special tokens);
+    ``extra``: more template variables (``tools``)."""
     try:
-        text = model.render_chat(messages, add_generation_prompt=True)
+        text = model.render_chat(messages, add_generation_prompt=True, **extra)
     except ValueError as e:  # TemplateError: the template refused these messages
         raise bad_request(str(e), param="messages") from None
     return model.tokenizer.encode(text, add_special_tokens=False)

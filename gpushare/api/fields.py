@@ -100,9 +100,11 @@ def reject_unsupported(body: dict, unsupported: dict[str, str]) -> None:
             raise bad_request(f'"{key}" {why}', param=key)
 
 
-def message_list(messages: list, roles: dict[str, str], content: Callable[[dict, str], str], limits) -> list[dict]:
+def message_list(messages: list, roles: dict[str, str], content: Callable[[dict, str], str], limits,
+                 extra: Callable[[dict, str], dict] | None = None) -> list[dict]:
     """Chat messages as ``{"role", "content"}``; ``roles`` maps the dialect's roles onto the chat
-    template's, ``content(message, where)`` reads one message's text (or raises the dialect's 400).
+    template's, ``content(message, where)`` reads one message's text (or raises the dialect's 400),
+    ``extra(message, where)`` other keys to keep (tool calls and results).
     At most ``limits.max_messages`` messages of ``limits.max_prompt_chars`` characters in all."""
     check_count("messages", len(messages), "messages", "max_messages", limits)
     out = []
@@ -113,7 +115,7 @@ def message_list(messages: list, roles: dict[str, str], content: Callable[[dict,
         role = field(m, "role", "string", prefix=where + ".")
         if role not in roles:
             raise bad_request(f'"{where}.role" must be one of {", ".join(roles)}, got {role!r}', param=where + ".role")
-        out.append({"role": roles[role], "content": content(m, where)})
+        out.append({"role": roles[role], "content": content(m, where), **(extra(m, where) if extra else {})})
     check_prompt_chars((m["content"] for m in out), "messages", limits)
     return out
 

@@ -63,6 +63,7 @@ class RequestRecord:
     inter_token_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    generated_by_answer: dict = field(default_factory=dict)
     cached_tokens: int = 0
 
     def observe(self, out: RequestOutput) -> None:
@@ -76,7 +77,8 @@ class RequestRecord:
         if self.first_token_s is None:
             self.first_token_s = out.first_token_time_s
         self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
-        self.generated_tokens = out.num_generated_tokens
+        self.generated_by_answer[out.index] = out.num_generated_tokens  # n > 1: every answer counts
+        self.generated_tokens = sum(self.generated_by_answer.values())
         self.cached_tokens = out.num_cached_tokens or self.cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason

@@ -26,11 +26,19 @@ from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_ob
                                  required_string, string_list)
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.memory import memory_report
+from gpushare.api.logprobs import TokenText, requested as logprobs_requested
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
+from gpushare.api.structured import ollama_format
+from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
+                                parse_calls, parse_tools)
 from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows, visible
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
+# What every model served here does: generate (every supported architecture is a causal LM), call
+# tools (through its template or the documented fallback, forced calls held to their schema by
+# constrained decoding: api/tools.py) and embed (mean-pooled hidden states, /api/embed).
+CAPABILITIES = ["completion", "tools", "embedding"]
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
@@ -43,9 +51,7 @@ FIELD_NAMES = {name: "options." + name for name in ("temperature", "top_k", "top
                                                     "presence_penalty", "frequency_penalty")}
 FIELD_NAMES.update(repetition_penalty="options.repeat_penalty", max_tokens="options.num_predict")
 UNSUPPORTED = {
-    "format": "(structured output) is not supported",
     "images": "is not supported: no vision models",
-    "tools": "is not supported",
     "suffix": "(fill-in-the-middle) is not supported",
     "template": "is not supported: the template comes from the model file",
     "context": "is not supported; use /api/chat to continue a conversation",
@@ -100,7 +106,11 @@ def _message_content(m: dict, where: str) -> str:
 
 
 def parse_messages(body: dict, limits) -> list[dict]:
-    return message_list(field(body, "messages", "array", []), ROLES, _message_content, limits)
+    return message_list(field(body, "messages", "array", []), ROLES, _message_content, limits, message_tool_fields)
+
+
+def _tool_calls(calls: list[dict]) -> list[dict]:
+    return [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
 
 
 # ---------------------------------------------------------------------------- shared flow
@@ -122,12 +132,16 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
                               "done_reason": reason})
 
 
-async def _generate(request: web.Request, body: dict, model: str, make_prompt, piece, empty) -> web.StreamResponse:
-    """Run one generation; `make_prompt(loaded_model)` -> token ids; `piece(text)` -> the reply part."""
+async def _generate(request: web.Request, body: dict, model: str, make_prompt, chat: bool,
+                    tools: ToolSpec | None = None) -> web.StreamResponse:
+    """Run one generation; ``make_prompt(loaded_model)`` -> token ids; ``chat``: answer as a message."""
     values, max_tokens, num_ctx = sampling_from_options(body, limits_of(request))
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
     stream = field(body, "stream", "boolean", True)
+    tools = tools or ToolSpec()
+    structured = forced_output(tools) or ollama_format(body)
+    top_logprobs = logprobs_requested(body)
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
@@ -136,24 +150,47 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, p
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
         # Ollama never fails on num_predict: generation stops at the context.
         max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
-        params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, **values)
+        params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
+                                      logprobs=top_logprobs, **values)
         ticket.charge_tokens(len(prompt_ids) + max_tokens, timings)
         timings.submit_s = time.monotonic()
         base = {"model": model}
+        token_text = TokenText(lease.model) if top_logprobs is not None else None
+
+        def reply(text: str, calls: list[dict] | None = None) -> dict:
+            if not chat:
+                return {"response": text}
+            return {"message": {"role": "assistant", "content": text, **({"tool_calls": _tool_calls(calls)}
+                                                                          if calls else {})}}
+
+        def logprobs(items) -> dict:
+            return {"logprobs": token_text.entries(items, top_logprobs > 0)} if token_text is not None else {}
 
         def tail(out):
-            return [{**base, "created_at": now_rfc3339(), **empty, "done": True, "done_reason": out.finish_reason,
+            return [{**base, "created_at": now_rfc3339(), **reply(""), "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
         with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
                           ticket.priority) as engine_stream:
             if stream:
-                fmt = StreamFormat(sse=False, piece=lambda text: {**base, "created_at": now_rfc3339(), **piece(text),
-                                                                   "done": False},
-                                   tail=tail, error=lambda err: {"error": err.message})
+                held = ReplyFilter(tools)
+
+                def piece(out):
+                    text = held.feed(out.text)
+                    chunks = [{**base, "created_at": now_rfc3339(), **reply(text), **logprobs(out.logprobs),
+                               "done": False}] if text or out.logprobs and token_text else []
+                    if out.finished:
+                        rest, calls = held.finish()
+                        if rest or calls:
+                            chunks.append({**base, "created_at": now_rfc3339(), **reply(rest, calls), "done": False})
+                    return chunks
+
+                fmt = StreamFormat(sse=False, piece=piece, tail=tail, error=lambda err: {"error": err.message})
                 return await relay(request, engine_stream, timings, fmt)
-            text, out = await collect(engine_stream, timings)
-            return web.json_response({**tail(out)[0], **piece(text)})
+            answer = (await collect(engine_stream, timings))[0]
+            calls = parse_calls(answer.text, tools) if tools.active else None
+            return web.json_response({**tail(answer.out)[0], **reply("" if calls else answer.text, calls),
+                                      **logprobs(answer.logprobs)})
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -169,7 +206,7 @@ async def version(request: web.Request) -> web.Response:
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    reject_unsupported(body, UNSUPPORTED)
+    reject_unsupported(body, {**UNSUPPORTED, "tools": "is not supported on /api/generate; use /api/chat"})
     prompt = field(body, "prompt", "string", "")
     system = field(body, "system", "string", "")
     raw = field(body, "raw", "boolean", False)
@@ -183,7 +220,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return encode_chat(loaded, messages)
 
-    return await _generate(request, body, model, make_prompt, lambda text: {"response": text}, {"response": ""})
+    return await _generate(request, body, model, make_prompt, chat=False)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -191,12 +228,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
     model = required_string(body, "model")
     reject_unsupported(body, UNSUPPORTED)
     messages = parse_messages(body, limits_of(request))
+    tools = parse_tools(body)
     if not messages:
         return await _load_or_unload(request, model, keep_alive_s(body),
                                      {"message": {"role": "assistant", "content": ""}})
-    return await _generate(request, body, model, lambda loaded: encode_chat(loaded, messages),
-                           lambda text: {"message": {"role": "assistant", "content": text}},
-                           {"message": {"role": "assistant", "content": ""}})
+    return await _generate(request, body, model, lambda loaded: encode_chat_with_tools(loaded, messages, tools),
+                           chat=True, tools=tools)
 
 
 async def embed(request: web.Request) -> web.Response:
@@ -287,7 +324,7 @@ async def show(request: web.Request) -> web.Response:
     return web.json_response({
         "modelfile": f"# gpushare model {source.name}\nFROM {path}\n",
         "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
-        "capabilities": ["completion"], "modified_at": rfc3339(source.modified_at()),
+        "capabilities": CAPABILITIES, "modified_at": rfc3339(source.modified_at()),
         "weights": await registry.weight_format(source.name),
     })
 

@@ -2,47 +2,51 @@
 
 Streams are server-sent events ending in ``data: [DONE]``; errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. vLLM's extra sampling fields
-(top_k, min_p, repetition_penalty, ignore_eos) are accepted. One choice per request:
-`n` > 1, logprobs, tools and structured output are refused with a 400 that says so.
+(top_k, min_p, repetition_penalty, ignore_eos) are accepted. ``n`` answers (``best_of`` may only
+equal it) share the prompt's KV blocks; ``response_format`` and forced ``tool_choice`` constrain
+decoding; ``logprobs`` come from the logits the sampler used.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 import uuid
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_chat, encode_text, off_loop
+from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
+from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
+from gpushare.api.structured import openai_response_format
+from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
+                                new_call_id, parse_calls, parse_tools)
 from gpushare.api.tenants import admit, check_model, visible
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINGERPRINT = "gpushare"
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "echo", "suffix")
+UNSUPPORTED = ("functions", "logit_bias", "echo", "suffix")
 
 
 # ---------------------------------------------------------------------------- request parsing
 
-def _reject_unsupported(body: dict) -> None:
-    n = field(body, "n", "integer", 1)
-    if n != 1:
-        raise bad_request(f'"n" must be 1: one choice per request is supported, got {n}', param="n")
-    best_of = field(body, "best_of", "integer", 1)
-    if best_of != 1:
-        raise bad_request(f'"best_of" must be 1, got {best_of}', param="best_of")
+def _answers(body: dict) -> int:
+    """``n``, with ``best_of`` allowed only equal to it (every answer is returned; none is ranked)."""
     reject_unsupported(body, {key: "is not supported" for key in UNSUPPORTED})
-    response_format = field(body, "response_format", "object", {"type": "text"})
-    if response_format.get("type", "text") != "text":
-        raise bad_request(f'"response_format" {response_format.get("type")!r} is not supported, only "text"',
-                          param="response_format")
+    n = field(body, "n", "integer", 1)
+    if n < 1:
+        raise bad_request(f'"n" must be a positive integer, got {n}', param="n")
+    best_of = field(body, "best_of", "integer", n)
+    if best_of != n:
+        raise bad_request(f'"best_of" must equal "n" ({n}): answers are not ranked, got {best_of}', param="best_of")
+    return n
 
 
 def sampling_values(body: dict, default_max_tokens: int | None, limits) -> dict:
@@ -85,7 +89,7 @@ def parse_messages(body: dict, limits) -> list[dict]:
     messages = field(body, "messages", "array")
     if not messages:
         raise bad_request('"messages" is required and must not be empty', param="messages")
-    return message_list(messages, ROLES, _message_content, limits)
+    return message_list(messages, ROLES, _message_content, limits, message_tool_fields)
 
 
 def parse_prompt(body: dict, limits) -> str | list[int]:
@@ -105,21 +109,33 @@ def parse_prompt(body: dict, limits) -> str | list[int]:
 
 # ---------------------------------------------------------------------------- shared flow
 
-def _usage(out) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_generated_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
+def _usage(answers_out: list) -> dict:
+    prompt = answers_out[0].num_prompt_tokens
+    completion = sum(out.num_generated_tokens for out in answers_out)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _tool_calls(calls: list[dict]) -> list[dict]:
+    return [{"index": k, "id": new_call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for k, c in enumerate(calls)]
 
 
 async def _complete(request: web.Request, body: dict, make_prompt, default_max_tokens: int | None,
-                    chat: bool) -> web.StreamResponse:
+                    chat: bool, tools: ToolSpec | None = None) -> web.StreamResponse:
     model = required_string(body, "model")
-    _reject_unsupported(body)
+    n = _answers(body)
     values = sampling_values(body, default_max_tokens, limits_of(request))
+    tools = tools or ToolSpec()
+    structured = forced_output(tools) or openai_response_format(body)
+    top_logprobs = logprobs_requested(body) if chat else completion_requested(body)
     stream = field(body, "stream", "boolean", False)
     include_usage = stream and field(field(body, "stream_options", "object", {}), "include_usage", "boolean", False,
                                      prefix="stream_options.")
     ctx = context(request)
     timings = Timings()
+    if n > ctx.engine.config.max_num_seqs:  # the n answers run side by side
+        raise bad_request(f'"n" must be at most engine.max_num_seqs ({ctx.engine.config.max_num_seqs}), got {n}',
+                          param="n")
     async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
         prompt_ids = await off_loop(make_prompt, lease.model)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids)
@@ -127,45 +143,83 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         if not explicit:
             values["max_tokens"] = min(values["max_tokens"] or limit, limit - len(prompt_ids))
-        params = make_sampling_params(**values)
-        ticket.charge_tokens(len(prompt_ids) + params.max_tokens, timings)
+        params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
+        ticket.charge_tokens(len(prompt_ids) + n * params.max_tokens, timings)
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if stream and chat else "chat.completion" if chat
                 else "text_completion",
                 "created": int(time.time()), "model": model, "system_fingerprint": FINGERPRINT}
+        token_text = TokenText(lease.model) if top_logprobs is not None else None
+        text_offsets = [0] * n  # completions' logprobs.text_offset: characters streamed so far per answer
 
-        def choice(text: str | None, finish_reason: str | None) -> dict:
+        def logprobs(index: int, items, text: str):
+            if token_text is None:
+                return None
+            if chat:
+                return {"content": token_text.entries(items), "refusal": None}
+            entry = token_text.completion(items, text_offsets[index])
+            text_offsets[index] += len(text)
+            return entry
+
+        def choice(index: int, text: str | None, finish_reason: str | None, items=None, calls=None) -> dict:
+            lp = logprobs(index, items, text or "") if items is not None else None
+            if calls:
+                finish_reason = finish_reason and "tool_calls"
             if chat and stream:
                 delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                if calls:
+                    delta["tool_calls"] = _tool_calls(calls)
+                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             if chat:
-                message = {"role": "assistant", "content": text}
-                return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                message = {"role": "assistant", "content": None if calls else text}
+                if calls:
+                    message["tool_calls"] = _tool_calls(calls)
+                return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
 
         def chunk(c: dict) -> dict:
             return {**base, "choices": [c], **({"usage": None} if include_usage else {})}
 
-        def head() -> list[dict]:
-            if not chat:
-                return []
-            return [chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None})]
-
-        def tail(out) -> list[dict]:
-            chunks = [chunk(choice(None, out.finish_reason))]
-            if include_usage:
-                chunks.append({**base, "choices": [], "usage": _usage(out)})
-            return chunks
-
         with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
                           ticket.priority) as engine_stream:
             if stream:
-                fmt = StreamFormat(sse=True, head=head, piece=lambda text: chunk(choice(text, None)), tail=tail,
+                held = [ReplyFilter(tools) for _ in range(n)]
+                called: dict[int, list] = {}
+                finals: list = []
+
+                def head() -> list[dict]:
+                    return [chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}) for i in range(n)] if chat else []
+
+                def piece(out) -> list[dict]:
+                    text = held[out.index].feed(out.text)
+                    chunks = [chunk(choice(out.index, text, None, out.logprobs))] if text or out.logprobs else []
+                    if out.finished:
+                        rest, calls = held[out.index].finish()
+                        if calls:
+                            called[out.index] = calls
+                            chunks.append(chunk(choice(out.index, None, None, calls=calls)))
+                        elif rest:
+                            chunks.append(chunk(choice(out.index, rest, None)))
+                    return chunks
+
+                def tail(out) -> list[dict]:
+                    finals.append(out)
+                    reason = "tool_calls" if out.index in called else out.finish_reason
+                    return [chunk(choice(out.index, None, reason))]
+
+                def end() -> list[dict]:
+                    return [{**base, "choices": [], "usage": _usage(finals)}] if include_usage else []
+
+                fmt = StreamFormat(sse=True, head=head, piece=piece, tail=tail, end=end,
                                    error=lambda err: error_body(request.path, err))
                 return await relay(request, engine_stream, timings, fmt)
-            text, out = await collect(engine_stream, timings)
-            return web.json_response({**base, "choices": [choice(text, out.finish_reason)], "usage": _usage(out)})
+            answers = await collect(engine_stream, timings)
+            choices = []
+            for a in answers:
+                calls = parse_calls(a.text, tools) if tools.active else None
+                choices.append(choice(a.index, None if calls else a.text, a.out.finish_reason, a.logprobs, calls))
+            return web.json_response({**base, "choices": choices, "usage": _usage([a.out for a in answers])})
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -173,11 +227,15 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     messages = parse_messages(body, limits_of(request))
-    return await _complete(request, body, lambda model: encode_chat(model, messages), None, chat=True)
+    tools = parse_tools(body)
+    return await _complete(request, body, lambda model: encode_chat_with_tools(model, messages, tools), None,
+                           chat=True, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
+    reject_unsupported(body, {"tools": "is not supported on /v1/completions; use /v1/chat/completions",
+                              "response_format": "is not supported on /v1/completions; use /v1/chat/completions"})
     prompt = parse_prompt(body, limits_of(request))
 
     def make_prompt(model):
@@ -187,19 +245,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, body, make_prompt, 16, chat=False)
 
 
-def _model_object(source) -> dict:
-    return {"id": source.name, "object": "model", "created": int(source.modified_at()), "owned_by": "gpushare"}
+async def _model_object(registry, source) -> dict:
+    """A model entry; ``max_model_len`` (vLLM's field) is the model's context length."""
+    desc = await registry.describe(source.name)
+    return {"id": source.name, "object": "model", "created": int(source.modified_at()), "owned_by": "gpushare",
+            "max_model_len": desc.context_length}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    sources = context(request).registry.sources()
-    data = [_model_object(sources[name]) for name in sorted(visible(request, sources))]
+    registry = context(request).registry
+    sources = registry.sources()
+    data = [await _model_object(registry, sources[name]) for name in sorted(visible(request, sources))]
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     check_model(request, request.match_info["model"])
-    return web.json_response(_model_object(context(request).registry.find(request.match_info["model"])))
+    registry = context(request).registry
+    return web.json_response(await _model_object(registry, registry.find(request.match_info["model"])))
 
 
 async def create_embeddings(request: web.Request) -> web.Response:

@@ -35,7 +35,8 @@ STREAM_SEND_BUFFER_BYTES = 256 << 10
 
 
 class EngineStream:
-    """One request submitted to the engine; iterate it for RequestOutputs until finished."""
+    """One request submitted to the engine; iterate it for RequestOutputs (of its ``n`` answers,
+    interleaved, ``index`` telling them apart) until all have finished or one failed."""
 
     def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams,
                  tenant: str = DEFAULT_TENANT, priority: str | None = None):
@@ -43,6 +44,7 @@ class EngineStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
+        self._unfinished = params.n
         self._record = record_for_stream(model_name, tenant)  # the request's metrics (api/metrics.py)
         try:
             self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant,
@@ -74,7 +76,8 @@ class EngineStream:
         if self.finished:
             raise StopAsyncIteration
         out = await self._queue.get()
-        self.finished = out.finished
+        self._unfinished -= out.finished
+        self.finished = self._unfinished == 0 or out.finish_reason in ("error", "abort")
         if self._record is not None:
             self._record.observe(out)
         return out
@@ -91,9 +94,12 @@ class Timings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
 
+    generated_by_answer: dict = field(default_factory=dict)  # n > 1: answer index -> its tokens
+
     def observe(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
-        self.generated_tokens = out.num_generated_tokens
+        self.generated_by_answer[out.index] = out.num_generated_tokens
+        self.generated_tokens = sum(self.generated_by_answer.values())
         if out.first_token_time_s is not None:
             self.first_token_s = out.first_token_time_s
         if out.finished:
@@ -161,28 +167,44 @@ def finish_error(out: RequestOutput) -> ApiError | None:
     return None
 
 
-async def collect(stream: EngineStream, timings: Timings) -> tuple[str, RequestOutput]:
-    """Run a request to the end; its whole text and the final output. Raises ApiError on failure."""
-    parts = []
+@dataclass
+class Answer:
+    """One of a request's answers, collected whole."""
+    index: int
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of its tokens, when asked for
+    out: RequestOutput | None = None  # its final output
+
+
+async def collect(stream: EngineStream, timings: Timings) -> list[Answer]:
+    """Run a request to the end; its answers in index order. Raises ApiError on failure."""
+    answers: dict[int, Answer] = {}
+    parts: dict[int, list[str]] = {}
     async for out in stream:
         timings.observe(out)
-        parts.append(out.text)
+        answer = answers.setdefault(out.index, Answer(out.index))
+        parts.setdefault(out.index, []).append(out.text)
+        answer.logprobs += out.logprobs or []
         if out.finished:
             err = finish_error(out)
             if err is not None:
                 raise err
-            return "".join(parts), out
-    raise AssertionError("the engine stream ended without a finished output")
+            answer.out = out
+            answer.text = "".join(parts[out.index])
+    if not answers or any(a.out is None for a in answers.values()):
+        raise AssertionError("the engine stream ended without a finished output")
+    return [answers[i] for i in sorted(answers)]
 
 
 @dataclass
 class StreamFormat:
     """How one dialect frames a token stream: NDJSON lines (Ollama) or server-sent events (OpenAI)."""
     sse: bool
-    piece: Callable[[str], dict]  # a chunk carrying new text
-    tail: Callable[[RequestOutput], list[dict]]  # the chunks after the last text
+    piece: Callable[[RequestOutput], list[dict]]  # the chunks for an output's new text (and logprobs)
+    tail: Callable[[RequestOutput], list[dict]]  # the chunks after an answer's last text
     error: Callable[[ApiError], dict]
     head: Callable[[], list[dict]] = list  # the chunks before the first text
+    end: Callable[[], list[dict]] = list  # the chunks after every answer finished
 
 
 async def relay(request: web.Request, stream: EngineStream, timings: Timings, fmt: StreamFormat) -> web.StreamResponse:
@@ -209,10 +231,12 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
         await asyncio.wait_for(response.write((f"data: {data}\n\n" if fmt.sse else data + "\n").encode()),
                                write_timeout_s)
 
+    failed = False
     try:
         async for out in stream:
             timings.observe(out)
             err = finish_error(out) if out.finished else None
+            failed = err is not None
             if not response.prepared:
                 if err is not None:
                     raise err
@@ -222,11 +246,14 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
             if err is not None:
                 await send(fmt.error(err))
                 break
-            if out.text:
-                await send(fmt.piece(out.text))
+            for chunk in fmt.piece(out):
+                await send(chunk)
             if out.finished:
                 for chunk in fmt.tail(out):
                     await send(chunk)
+        if stream.finished and not failed:
+            for chunk in fmt.end():
+                await send(chunk)
         if fmt.sse:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -27,6 +27,8 @@ def finish_reason(seq: Sequence, token: int, stop_ids: set, context_length: int)
     params = seq.params
     if token in params.stop_token_ids or (not params.ignore_eos and token in stop_ids):
         return "stop"
+    if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete; nothing may follow
+        return "stop"
     if params.stop:
         # Only the tail can hold a new match: the last token added at most its own characters.
         window = max(len(s) for s in params.stop) + 16

@@ -167,6 +167,9 @@ class Engine:
         worker = self.workers.get(model_name)
         if worker is None:
             raise KeyError(f"model {model_name!r} is not loaded")
+        if params.n > worker.scheduler.max_num_seqs:
+            raise ValueError(f"n must be at most engine.max_num_seqs ({worker.scheduler.max_num_seqs}), "
+                             f"got {params.n}")
         seq = new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, prompt_ids, params,
                            on_output, request_id, tenant, priority)
         self._put_work(("submit", seq))
@@ -318,7 +321,8 @@ class Engine:
         elif kind == "cancel":
             seq = self.requests.get(item[1])
             if seq is not None and seq.model_name in self.workers:
-                self._finish(self.workers[seq.model_name], seq, "abort")
+                for answer in [seq, *seq.forks]:  # n > 1: every answer goes
+                    self._finish(self.workers[seq.model_name], answer, "abort")
         elif kind == "embed":
             self._embed(*item[1:])
         elif kind == "call":
@@ -351,10 +355,18 @@ class Engine:
                 self._pause()
             sampled = runner.complete(step)
             worker.scheduler.after_step(batch)
+            for child in step.forks:
+                self.requests[child.request_id] = child
+                worker.scheduler.adopt(child)
         except Exception as e:  # a failed step fails its batch, never the engine
             log.exception("engine step failed for model %s", worker.name)
             for seq in batch.seqs:
-                self._finish(worker, seq, "error", error=f"engine step failed: {e}")
+                for child in seq.forks:
+                    if child.request_id not in self.requests:  # forked by the failed step: take it in to end it
+                        self.requests[child.request_id] = child
+                        worker.scheduler.adopt(child)
+                for answer in [seq, *seq.forks]:
+                    self._finish(worker, answer, "error", error=f"engine step failed: {e}")
             return
         worker.steps += 1
         worker.virtual_steps += 1 / worker.share_weight
@@ -418,27 +430,29 @@ class Engine:
         self.ledger.generated_tokens[seq.tenant] = self.ledger.generated_tokens.get(seq.tenant, 0) + 1
         loaded = worker.loaded
         params = seq.params
-        if token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids):
+        makes_text = token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids)
+        if makes_text:
             append_text(loaded.tokenizer, seq)
+        logprobs = [seq.last_logprobs] if makes_text and seq.last_logprobs is not None else None
         reason = finish_reason(seq, token, loaded.stop_token_ids, loaded.config.context_length)
         if reason is not None:
-            self._finish(worker, seq, reason, last_token=token)
+            self._finish(worker, seq, reason, last_token=token, logprobs=logprobs)
             return
-        self._emit(seq, self._output(seq, [token], False, None))
+        self._emit(seq, self._output(seq, [token], False, None, logprobs=logprobs))
 
     def _finish(self, worker: ModelWorker, seq: Sequence, reason: str, error: str | None = None,
-                last_token: int | None = None) -> None:
+                last_token: int | None = None, logprobs=None) -> None:
         if seq.status is Status.FINISHED:
             return
         worker.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
-        self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error))
+        self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error, logprobs))
 
-    def _output(self, seq, new_ids, finished, reason, error=None) -> RequestOutput:
+    def _output(self, seq, new_ids, finished, reason, error=None, logprobs=None) -> RequestOutput:
         first_token = bool(new_ids) and len(seq.output_ids) == 1
         return RequestOutput(seq.request_id, releasable_text(seq, finished), new_ids, finished, reason, error,
                              len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s,
-                             seq.prompt_logprobs if first_token else None)
+                             seq.prompt_logprobs if first_token else None, logprobs, seq.index)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         try:

@@ -251,3 +251,25 @@ class BlockPool:
             if key not in self.cached and block not in self.block_keys:
                 self.cached[key] = block
                 self.block_keys[block] = key
+
+
+# ---- n answers to one prompt ----------------------------------------------------------------
+def share_blocks(pool: BlockPool, block_table: list[int], num_tokens: int, tenant: str
+                 ) -> tuple[list[int], tuple[int, int] | None] | None:
+    """A block table for a copy of a sequence whose first ``num_tokens`` tokens are in ``block_table``:
+    its full blocks shared by reference count, its partial last block (the copy writes into it)
+    a fresh block. Returns (table, (source, destination) block pair to copy, or None), or None when
+    no block is free for the copy."""
+    full = num_tokens // pool.block_size
+    partial = len(block_table[:pool.blocks_for(num_tokens)]) > full
+    if partial and pool.can_take(tenant, 1) is not None:
+        return None
+    table = list(block_table[:full])
+    for block in table:
+        pool._hold(tenant, block)
+    if not partial:
+        return table, None
+    fresh = pool._take_block()
+    pool._hold(tenant, fresh)
+    table.append(fresh)
+    return table, (block_table[full], fresh)

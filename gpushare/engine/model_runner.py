@@ -2,12 +2,14 @@
 
 A step can pause between layers (the engine runs urgent work meanwhile) and resume."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from gpushare.engine import constraints
+from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
-from gpushare.engine.sampling import prompt_logprobs, sample
+from gpushare.engine.sampling import SamplingFailure, prompt_logprobs, sample_batch
 from gpushare.engine.scheduler import Batch
 from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.loader import LoadedModel
@@ -25,6 +27,7 @@ class StepInFlight:
     batch: Batch
     forward: ForwardState
     last_rows: dict[int, int]  # batch index -> row of its last token
+    forks: list = field(default_factory=list)  # sequences forked from an n > 1 answer in this step (forks.py)
 
 
 class ModelRunner:
@@ -89,11 +92,31 @@ class ModelRunner:
         ready = [i for i, seq in enumerate(batch.seqs) if seq.num_pending == 0]
         if not ready:
             return []
-        rows = torch.tensor([step.last_rows[i] for i in ready], device=self.device)
-        logits = self.loaded.model.logits(hidden[rows])
         seqs = [batch.seqs[i] for i in ready]
-        tokens = sample(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs])
+        last_rows = [step.last_rows[i] for i in ready]
+        for i in [k for k, seq in enumerate(seqs) if wants_forks(seq)]:
+            step.forks += fork(seqs[i], self.pool, self.copy_block)
+            running = [child for child in seqs[i].forks if child.num_computed]
+            seqs += running  # each draws its first token from answer 0's last prompt row
+            last_rows += [last_rows[i]] * len(running)
+        logits = self.loaded.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
+        tokens, logprobs = sample_batch(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
+                                        matchers)
+        for k, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.last_logprobs = logprobs[k]
+            if seq.matcher is not None and not isinstance(token, SamplingFailure):
+                try:
+                    constraints.advance(seq.matcher, token)
+                except RuntimeError as e:
+                    tokens[k] = SamplingFailure(str(e))
         return list(zip(seqs, tokens))
+
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one KV block in every layer (a fork's own copy of a shared partial block)."""
+        for k, v in self.kv_caches:
+            k[destination].copy_(k[source])
+            v[destination].copy_(v[source])
 
     def _record_prompt_logprobs(self, seq, hidden, first_row: int, chunk: int) -> None:
         """Extend ``seq.prompt_logprobs`` from this chunk's rows (``hidden[first_row:first_row + chunk]``):

@@ -5,6 +5,7 @@ import uuid
 
 import torch
 
+from gpushare.engine import constraints
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import Sequence
@@ -38,6 +39,10 @@ def new_sequence(loaded: LoadedModel, pool: BlockPool, ledger: TenantLedger, mod
     if pool.blocks_for(len(prompt_ids) + max_tokens) > pool.num_blocks:
         raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
                          f"than the whole pool ({pool.num_blocks * pool.block_size} tokens)")
+    shared = len(prompt_ids) // pool.block_size  # n answers share the prompt's full blocks (forks.py)
+    if shared + params.n * (pool.blocks_for(len(prompt_ids) + max_tokens) - shared) > pool.num_blocks:
+        raise ValueError(f"n ({params.n}) answers of max_tokens ({max_tokens}) tokens need more KV cache than the "
+                         f"whole pool ({pool.num_blocks * pool.block_size} tokens)")
     limit = ledger.policy(tenant).limit_bytes(pool.bytes_per_token)
     if limit is not None and pool.blocks_for(len(prompt_ids) + max_tokens) * pool.block_bytes > limit:
         raise ValueError(f"prompt plus max_tokens needs {len(prompt_ids) + max_tokens} tokens of KV cache, more "
@@ -48,4 +53,6 @@ def new_sequence(loaded: LoadedModel, pool: BlockPool, ledger: TenantLedger, mod
         seq.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
     if params.seed is not None:
         seq.generator = torch.Generator().manual_seed(params.seed)
+    if params.structured is not None:
+        seq.matcher = constraints.new_matcher(loaded, params.structured)  # SchemaError is a ValueError
     return seq

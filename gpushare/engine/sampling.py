@@ -1,4 +1,8 @@
-"""SamplingParams, the batched sampler (penalties, temperature, top-k/top-p/min-p, seeds), prompt logprobs.
+"""SamplingParams, the batched sampler (grammar masks, penalties, temperature, top-k/top-p/min-p, seeds),
+logprobs of sampled tokens and of prompts.
+
+Logprobs of a sampled token come from the logits the sampler used: after the grammar mask and the
+penalties, before temperature and the top-k/top-p/min-p filters (vLLM's default).
 
 Ranges are bounded so that no accepted value pushes logits to +-inf, and a row that still fails
 (non-finite probabilities) yields a ``SamplingFailure`` for that row alone: one request's odd
@@ -10,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpushare.engine.constraints import StructuredOutput, apply_masks
+
 MAX_PROMPT_LOGPROBS = 20
+MAX_LOGPROBS = 20  # top logprobs per sampled token, as OpenAI's top_logprobs
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: dividing logits by less overflows; the answer is the argmax anyway
 MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float precision
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits (|x| < 1e4) times or over 100 stay far from float32's limit
@@ -38,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob plus the top k
+    logprobs: int | None = None  # None: off; k: each sampled token's logprob plus the top k
+    n: int = 1  # answers to the one prompt, sharing its KV blocks (the engine forks after the prefill)
+    structured: StructuredOutput | None = None  # the output must match this (constrained decoding)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -66,6 +76,11 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_PROMPT_LOGPROBS}], got {k!r}")
+        k = self.logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -119,22 +134,58 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, prompt_ids, output_id
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@dataclass
+class TokenLogprobs:
+    """A sampled token's logprob and the ``top`` most likely tokens' (id, logprob), best first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(row: torch.Tensor, token: int, top_k: int) -> TokenLogprobs:
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    top = torch.topk(logprobs, top_k) if top_k else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprobs(token, float(logprobs[token]), pairs)
+
+
 def sample(logits: torch.Tensor, rows: list) -> list[int | SamplingFailure]:
-    """Pick one token per row. ``rows[i]`` is (params, prompt_ids, output_ids, generator or None).
+    """Pick one token per row. ``rows[i]`` is (params, prompt_ids, output_ids, generator or None)."""
+    return sample_batch(logits, rows)[0]
+
+
+def sample_batch(logits: torch.Tensor, rows: list, matchers: list | None = None
+                 ) -> tuple[list[int | SamplingFailure], list[TokenLogprobs | None]]:
+    """Pick one token per row, and its logprobs for rows whose params ask for them. ``rows[i]`` is
+    (params, prompt_ids, output_ids, generator or None); ``matchers[i]`` row i's grammar, or None.
 
     Each seeded row draws from its own generator, so its text does not depend on the batch. A row
     that cannot be sampled gets a SamplingFailure; the other rows are sampled as if it were absent.
     """
+    problems = apply_masks(logits, matchers) if matchers and any(m is not None for m in matchers) else None
+    want_logprobs = any(params.logprobs is not None for params, *_ in rows)
     greedy = all(params.greedy and not params.penalised for params, *_ in rows)
-    if greedy:
-        return logits.argmax(dim=-1).tolist()
+    if greedy and problems is None:
+        tokens = logits.argmax(dim=-1).tolist()
+        logprobs = [token_logprobs(logits[i], t, params.logprobs) if params.logprobs is not None else None
+                    for i, (t, (params, *_)) in enumerate(zip(tokens, rows))] if want_logprobs else [None] * len(rows)
+        return tokens, logprobs
     tokens: list[int | SamplingFailure] = []
+    logprobs: list[TokenLogprobs | None] = []
     for i, (params, prompt_ids, output_ids, generator) in enumerate(rows):
+        logprobs.append(None)
+        if problems is not None and problems[i] is not None:
+            tokens.append(SamplingFailure(problems[i]))
+            continue
+        row = logits[i].clone()
         try:
-            tokens.append(_sample_row(logits[i].clone(), params, prompt_ids, output_ids, generator))
+            tokens.append(_sample_row(row, params, prompt_ids, output_ids, generator))
         except (RuntimeError, ValueError) as e:  # torch reports bad distributions as RuntimeError
             tokens.append(SamplingFailure(f"sampling failed: {e}"))
-    return tokens
+            continue
+        if params.logprobs is not None:
+            logprobs[-1] = token_logprobs(row, tokens[-1], params.logprobs)  # row: penalised in place
+    return tokens, logprobs
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], top_k: int) -> list[dict[int, float]]:

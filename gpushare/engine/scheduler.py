@@ -48,6 +48,13 @@ class Scheduler:
             self.ledger.activate(seq.tenant, active)
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """Take in a sequence forked from a running one (forks.py): running if it holds its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -29,6 +29,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     first_token_time_s: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
+    logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
+    index: int = 0  # which of the request's ``n`` answers this is
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Sequence:
     generator: torch.Generator | None = None
     first_token_time_s: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as prefill chunks run, when asked for
+    matcher: object | None = None  # the output grammar (gpushare.engine.constraints), when constrained
+    last_logprobs: TokenLogprobs | None = None  # of the token sampled last, when params.logprobs asks
+    index: int = 0  # of the request's n answers; answers 1..n-1 are forked from answer 0 after the prefill
+    forks: list["Sequence"] = field(default_factory=list)  # answer 0's siblings, once forked
     # Incremental detokenisation state (see Detokenizer in engine.py).
     text: str = ""
     emitted_chars: int = 0

@@ -33,6 +33,7 @@ class LoadedModel:
     metadata: dict = field(default_factory=dict)
     weights: str = "float32"  # the weight format it was built in (gpushare.models.weight_format)
     _template: object = None
+    grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
 
     @property
     def weight_bytes(self) -> int:
