@@ -6,6 +6,7 @@ import psutil
 import pytest
 import torch
 
+from daemon_fixture import MODEL, http, serving
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block
@@ -170,3 +171,15 @@ def test_a_pool_smaller_than_a_block_is_refused_naming_the_sizes(llm):
     with pytest.raises(ValueError, match=r"the KV pool \(1000 bytes\) is smaller than one block of this model "
                                          r"\(737280 bytes\); raise memory.kv_budget"):
         engine.add_model("m", llm.model)
+
+
+def test_a_prompt_the_whole_pool_cannot_hold_is_a_400_naming_the_sizes(tmp_path, smollm2_path):
+    # 2 MiB: two float32 blocks of SmolLM2 (720 KiB each), 32 tokens
+    with serving(tmp_path, smollm2_path, {"memory": {"kv_budget": "2MiB"}}) as daemon:
+        short = {"model": MODEL, "prompt": "Hi", "raw": True, "stream": False,
+                 "options": {"num_predict": 8, "temperature": 0}}
+        status, body, _ = http("POST", daemon.url + "/api/generate", short)
+        assert status == 200 and body["eval_count"] > 0
+        status, body, _ = http("POST", daemon.url + "/api/generate", {**short, "prompt": "word " * 40})
+        assert status == 400
+        assert "more than this model's KV cache holds (32 tokens; raise memory.kv_budget)" in body["error"]

@@ -8,6 +8,7 @@ import pytest
 
 from gpushare.api.tools import (ReplyFilter, ToolSpec, parse_calls, render_messages, template_handles_tools)
 from gpushare.engine.kv_cache import BlockPool, share_blocks
+from gpushare.engine.kv_pool import DeviceKVPool
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import LoadedModel
 from gpushare.models.tokenizer import tokenizer_from_gguf
@@ -101,8 +102,13 @@ def test_reply_filter_streams_text_and_holds_calls():
     assert json_text.feed('{"a": 1}') == "" and json_text.finish() == ('{"a": 1}', None)
 
 
+def small_pool(num_blocks: int) -> BlockPool:
+    """A pool of ``num_blocks`` blocks of 4 tokens (64 bytes each), one block a slab."""
+    return BlockPool(DeviceKVPool(num_blocks * 64, "cpu", slab_blocks=1), block_size=4, block_bytes=64)
+
+
 def test_share_blocks_shares_full_blocks_and_copies_the_partial_one():
-    pool = BlockPool(num_blocks=8, block_size=4)
+    pool = small_pool(8)
     table: list[int] = []
     assert pool.grow(table, 10) is None  # 2 full blocks + a partial one
     shared, copy = share_blocks(pool, table, 10, "default")
@@ -116,8 +122,8 @@ def test_share_blocks_shares_full_blocks_and_copies_the_partial_one():
 
 
 def test_share_blocks_refuses_when_no_block_is_free():
-    pool = BlockPool(num_blocks=3, block_size=4)
+    pool = small_pool(3)
     table: list[int] = []
     assert pool.grow(table, 10) is None
     assert share_blocks(pool, table, 10, "default") is None
-    assert pool.ref_counts == [1, 1, 1]  # nothing taken on refusal
+    assert [pool.ref_counts[b] for b in table] == [1, 1, 1] and pool.num_used == 3  # nothing taken on refusal
