@@ -83,6 +83,8 @@ def cmd_list(args) -> int:
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now),
              m.get("state", "")] for m in data["models"]]
     print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]))
+    for problem in data.get("skipped", []):
+        print(f"skipped: {problem}", file=sys.stderr)
     return 0
 
 

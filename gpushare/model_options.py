@@ -25,6 +25,8 @@ OPTION_TYPES = {
     "penalize_newline": "boolean", "use_mmap": "boolean", "use_mlock": "boolean", "low_vram": "boolean",
     "numa": "boolean", "f16_kv": "boolean", "vocab_only": "boolean", "logits_all": "boolean",
     "stop": "string list",
+    # older Ollama releases wrote these into params layers; accepted as the rest
+    "tfs_z": "number", "num_gqa": "integer", "rope_frequency_base": "number", "rope_frequency_scale": "number",
 }
 # What the engine acts on; the rest of OPTION_TYPES is accepted and changes nothing.
 APPLIED_OPTIONS = ("num_ctx", "num_predict", "seed", "top_k", "temperature", "top_p", "min_p", "repeat_penalty",

@@ -103,7 +103,7 @@ def parse_modelfile(text: str, where: str = "Modelfile") -> Modelfile:
         name = r.word() if instruction in ("PARAMETER", "MESSAGE") else None
         r.skip_blanks(newlines=False)
         value = r.argument()
-        if instruction != "LICENSE" and not value:
+        if instruction not in ("LICENSE", "SYSTEM") and not value:
             raise r.error(f"{instruction} needs {'a value' if name else 'an argument'}", line)
         try:
             if instruction == "FROM":
@@ -135,9 +135,13 @@ def parse_modelfile(text: str, where: str = "Modelfile") -> Modelfile:
 
 
 def _quoted(value: str) -> str:
-    if value and "\n" not in value and '"' not in value and value == value.strip() and not value.startswith("#"):
-        return value if " " not in value else f'"{value}"'
-    return f'"""{value}"""'
+    """An argument as written back: bare when the rest of a line reads it back as is, else quoted."""
+    if "\n" in value:
+        return f'"""{value}"""'
+    if value and value == value.strip() and not value.startswith(('"', "#")):
+        return value
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
 
 
 def format_modelfile(base: str, preset: ModelPreset, name: str | None = None) -> str:
@@ -148,9 +152,9 @@ def format_modelfile(base: str, preset: ModelPreset, name: str | None = None) ->
                   "with:", f"# FROM {name}", ""]
     lines.append(f"FROM {base}")
     if preset.template is not None:
-        lines.append(f'TEMPLATE """{preset.template}"""')
+        lines.append(f"TEMPLATE {_quoted(preset.template)}")
     if preset.system is not None:
-        lines.append(f'SYSTEM """{preset.system}"""')
+        lines.append(f"SYSTEM {_quoted(preset.system)}")
     for key, value in preset.options.items():
         for item in value if isinstance(value, list) else [value]:
             text = item if isinstance(item, str) else str(item).lower() if isinstance(item, bool) else \
@@ -159,5 +163,5 @@ def format_modelfile(base: str, preset: ModelPreset, name: str | None = None) ->
     for m in preset.messages:
         lines.append(f"MESSAGE {m['role']} {_quoted(m['content'])}")
     if preset.license is not None:
-        lines.append(f'LICENSE """{preset.license}"""')
+        lines.append(f"LICENSE {_quoted(preset.license)}")
     return "\n".join(lines) + "\n"

@@ -32,7 +32,8 @@ def store(tmp_path_factory, smollm2_path, served_llm):
     stop = words[len(words) // 2]
     gguf = open(smollm2_path, "rb").read()
     add_model(root, "smolpet", "latest", gguf, {
-        "params": {"stop": [stop], "temperature": 0, "num_predict": 24}, "system": SYSTEM,
+        # an option from a newer Ollama is logged and ignored, not worth losing the model over
+        "params": {"stop": [stop], "temperature": 0, "num_predict": 24, "some_future_option": 1}, "system": SYSTEM,
         "template": "{{ .System }} {{ .Prompt }}", "license": "Apache 2.0 (test)"})
     add_model(root, "shadow", "latest", gguf, {"system": "from the store"})  # the config's shadow:latest wins
     add_model(root, "tiny", "q4", gguf, {}, namespace="someone")
@@ -73,8 +74,11 @@ def test_the_store_lists_as_ollama_names_and_broken_manifests_are_named(client, 
     log = daemon.log()
     assert f"{store['broken']}:2: not valid JSON" in log  # the file and the line
     assert f"{store['missing']}: the system layer's blob is missing" in log
+    assert "ignoring the unknown parameter 'some_future_option'" in log
     r = gpushare(daemon, "list")
     assert r.returncode == 0 and "smolpet:latest" in r.stdout and "someone/tiny:q4" in r.stdout
+    assert f"skipped: {store['broken']}:2: not valid JSON" in r.stderr
+    assert f"skipped: {store['missing']}: the system layer's blob is missing" in r.stderr
 
 
 def test_a_store_model_answers_with_its_system_prompt_and_stop_string(client, store):
@@ -89,6 +93,14 @@ def test_a_store_model_answers_with_its_system_prompt_and_stop_string(client, st
 def show_system(daemon, model: str) -> str:
     """/api/show's `system` (the ollama 0.6 client's ShowResponse drops it)."""
     return http("POST", daemon.url + "/api/show", {"model": model})[1]["system"]
+
+
+def test_the_openai_dialect_uses_the_same_presets(daemon, store):
+    import openai
+
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", timeout=300)
+    r = client.chat.completions.create(model="smolpet:latest", messages=[{"role": "user", "content": QUESTION}])
+    assert r.choices[0].message.content == store["answer"] and r.choices[0].finish_reason == "stop"
 
 
 def test_show_returns_the_store_models_parameters(client, daemon, store):
@@ -178,6 +190,17 @@ def test_bad_modelfiles_name_the_file_and_line(daemon, smollm2_path, tmp_path):
     r = gpushare(daemon, "create", "bad", "-f", str(bad))
     assert r.returncode == 1 and f"{bad}:2: unknown parameter 'temprature'" in r.stderr
     assert "bad" not in gpushare(daemon, "list").stdout.split()
+
+
+def test_a_broken_modelfile_in_models_dir_is_named_and_the_rest_still_list(daemon, smollm2_path):
+    broken = daemon.models_dir / "hand-written.modelfile"
+    broken.write_text(f"FROM {smollm2_path}\nSYSTEM hi\nWHATEVER x\n")
+    try:
+        r = gpushare(daemon, "list")
+        assert r.returncode == 0 and MODEL in r.stdout and "hand-written" not in r.stdout
+        assert f"skipped: {broken}:3: unknown instruction 'WHATEVER'" in r.stderr
+    finally:
+        broken.unlink()
 
 
 def test_api_create_json_and_copy_through_the_ollama_client(client, daemon, smollm2_path):

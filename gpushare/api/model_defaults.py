@@ -70,3 +70,20 @@ def fit_chat(encode, messages: list[dict], room: int, truncate: bool = True) -> 
         if len(ids) < room:
             break
     return ids  # the last message alone may still be too long: usable_context answers 400
+
+
+# Ollama option -> the OpenAI dialect's sampling field it fills when a request leaves that field unset.
+OPENAI_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                 "repeat_penalty": "repetition_penalty", "stop": "stop", "num_predict": "max_tokens"}
+
+
+def fill_openai_values(values: dict, preset: ModelPreset, explicit_max_tokens: bool) -> None:
+    """The model's options where an OpenAI request set nothing (its own max_tokens always wins)."""
+    for option, key in OPENAI_FIELDS.items():
+        value = preset.options.get(option)
+        if value is None or (key == "max_tokens" and explicit_max_tokens) or values.get(key) not in (None, []):
+            continue
+        if option == "num_predict" and value <= 0:
+            continue  # Ollama's "no limit": the context decides
+        values[key] = -1 if option == "top_k" and value == 0 else value

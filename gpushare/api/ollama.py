@@ -28,7 +28,9 @@ from gpushare.api.model_defaults import (chat_with_presets, context_room, encode
                                          with_model_options)
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
-from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, tenant_rows, visible
+from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
+                                  visible)
+from gpushare.engine.model_catalog import catalog_problems
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
@@ -246,7 +248,9 @@ async def tags(request: web.Request) -> web.Response:
         models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
                        "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source),
                        "state": registry.state(source)})  # gpushare's: loaded, loading, warm or on disk
-    return web.json_response({"models": models})
+    # gpushare's: why a broken manifest or Modelfile is not listed (admins only: it names files)
+    skipped = catalog_problems(context(request).settings) if is_admin(request) else []
+    return web.json_response({"models": models, **({"skipped": skipped} if skipped else {})})
 
 
 async def ps(request: web.Request) -> web.Response:

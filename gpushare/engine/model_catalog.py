@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpushare.config import Settings
-from gpushare.engine.ollama_store import scan_store
+from gpushare.engine.ollama_store import scan_store, store_problems
 from gpushare.model_options import ModelPreset
 from gpushare.modelfile import ModelfileError, parse_modelfile
 
@@ -88,6 +88,7 @@ def scan_models_dir(models_dir: Path) -> list[ModelSource]:
 
 
 _created_cache: dict[Path, tuple[tuple, ModelSource | None]] = {}  # a broken file is logged once, not per request
+_created_problems: dict[Path, str] = {}
 
 
 def _read_created(path: Path) -> ModelSource | None:
@@ -106,8 +107,16 @@ def _read_created(path: Path) -> ModelSource | None:
                              preset=modelfile.preset, definition=str(path))
     except (ModelfileError, OSError, UnicodeDecodeError) as e:
         log.warning("models_dir: skipping %s: %s", path.name, e)
+        _created_problems[path] = str(e)
     _created_cache[path] = (stamp, source)
     return source
+
+
+def catalog_problems(settings: Settings) -> list[str]:
+    """Why the files the last listing skipped (broken manifests, Modelfiles) were skipped."""
+    created = [message for path, message in sorted(_created_problems.items())
+               if path.parent == settings.models_dir and path.exists() and _created_cache[path][1] is None]
+    return created + [message for root in settings.ollama_models for message in store_problems(root)]
 
 
 def model_sources(settings: Settings) -> dict[str, ModelSource]:

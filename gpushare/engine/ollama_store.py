@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from gpushare.model_options import ModelPreset, OptionError, messages_from_json, options_from_json
+from gpushare.model_options import OPTION_TYPES, ModelPreset, OptionError, messages_from_json, options_from_json
 
 log = logging.getLogger("gpushare.registry")
 
@@ -84,7 +84,12 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
                     raise StoreError(f"{manifest}: the model layer's blob is missing: {blob}")
                 model = blob
             elif kind == "params":
-                preset.options = options_from_json(_read_json(blob, _read_text(blob, manifest, "params")), str(blob))
+                params = _read_json(blob, _read_text(blob, manifest, "params"))
+                if isinstance(params, dict):  # a newer Ollama's option this one does not know: not worth the model
+                    for name in [k for k in params if k not in OPTION_TYPES]:
+                        log.warning("Ollama store: %s: ignoring the unknown parameter %r", blob, name)
+                        del params[name]
+                preset.options = options_from_json(params, str(blob))
             elif kind == "system":
                 preset.system = _read_text(blob, manifest, "system")
             elif kind == "messages":
@@ -136,3 +141,9 @@ def scan_store(root: Path) -> list[tuple[str, Path, str, str, ModelPreset]]:
             if not isinstance(cached[1], StoreError):
                 found.append((model_name(relative), manifest, *cached[1]))
     return found
+
+
+def store_problems(root: Path) -> list[str]:
+    """Why each manifest of `root` that the last listing skipped was skipped."""
+    return [str(result) for path, (_, result) in sorted(_cache.items())
+            if isinstance(result, StoreError) and path.is_relative_to(root) and path.exists()]
