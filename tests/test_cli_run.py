@@ -13,7 +13,8 @@ PROMPT = ">>> "
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
-    with serving(tmp_path_factory.mktemp("run"), smollm2_path) as d:
+    # no warm tier: an unloaded model loads again from its file, with progress to show
+    with serving(tmp_path_factory.mktemp("run"), smollm2_path, {"memory": {"host_cache": 0}}) as d:
         yield d
 
 
@@ -51,6 +52,11 @@ def test_interactive_commands_multiline_and_history(daemon, served_llm):
     child.expect_exact("Unknown command '/sett'. Type /? for help")
     child.sendline("/save pirate-session")
     child.expect_exact("Created new model 'pirate-session'")
+    child.sendline("/load pirate-session")
+    child.expect_exact("Loading model 'pirate-session'")
+    child.expect_exact(PROMPT)
+    child.sendline("/show system")  # the session's own system message still wins
+    child.expect_exact("You are a pirate.")
     child.sendline("/bye")
     child.expect(pexpect.EOF)
     child.close()
@@ -59,7 +65,12 @@ def test_interactive_commands_multiline_and_history(daemon, served_llm):
     assert shown["system"] == "You are a pirate." and "num_predict                    8" in shown["parameters"]
     assert shown["messages"][0] == {"role": "user", "content": "Say\nhello"}
 
-    child = start(daemon)  # a new run: the Up arrow brings back the last line typed before
+    for model in ("pirate-session", MODEL):  # unloaded: the next run shows its load
+        http("POST", daemon.url + "/api/generate", {"model": model, "keep_alive": 0, "stream": False})
+    child = pexpect.spawn(str(GPUSHARE), ["run", MODEL], env={**daemon.env(), "TERM": "xterm"}, encoding="utf-8",
+                          timeout=180, dimensions=(40, 200))
+    child.expect(r"loading smollm2:135m 100% \[#+\]")  # the progress bar, redrawn in place
+    child.expect_exact(PROMPT)  # a new run: the Up arrow brings back the last line typed before
     child.send("\x1b[A")
     child.expect_exact("/bye")
     child.send("\x15/bye\r")  # Ctrl-U clears the recalled line

@@ -256,6 +256,20 @@ def test_ollama_host_reaches_the_daemon(daemon):
     assert r.returncode == 0 and "smolpet:latest" in r.stdout
 
 
+def test_show_parts_keepalive_and_stopping_several_models(client, daemon, store):
+    r = gpushare(daemon, "show", "smolpet", "--parameters")
+    assert r.returncode == 0 and r.stdout == client.show("smolpet").parameters + "\n"
+    assert gpushare(daemon, "show", "smolpet", "--system").stdout == SYSTEM + "\n"
+    assert gpushare(daemon, "show", "smolpet", "--license").stdout == "Apache 2.0 (test)\n"
+    assert "<|im_start|>" in gpushare(daemon, "show", "smolpet", "--template").stdout
+    r = gpushare(daemon, "load", "smolpet", "--keepalive", "-1")
+    assert r.returncode == 0, r.stderr
+    assert daemon.loaded()["smolpet:latest"]["keep_alive"] < 0  # --keepalive is --keep-alive
+    r = gpushare(daemon, "stop", "smolpet:latest", MODEL)
+    assert r.returncode == 0, r.stderr
+    assert not {"smolpet:latest", MODEL} & set(daemon.loaded())
+
+
 def test_nothing_in_the_store_changed(client, store):
     client.chat("smolpet", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2})
     assert tree_digest(store["root"]) == store["before"]
