@@ -5,7 +5,10 @@ carries done_reason and the durations in nanoseconds. A generate/chat request wi
 prompt/messages loads the model (done_reason "load"), or unloads it with keep_alive 0
 (done_reason "unload"). Sampling defaults are Ollama's (temperature 0.8, top_k 40,
 top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last 64
-tokens only (repeat_last_n), a window this engine does not have.
+tokens only (repeat_last_n), a window this engine does not have. A model's own options,
+system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
+longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
+/api/copy are in api/ollama_models.py.
 """
 
 from __future__ import annotations
