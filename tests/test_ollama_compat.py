@@ -216,6 +216,12 @@ def test_api_create_json_and_copy_through_the_ollama_client(client, daemon, smol
     assert info.value.status_code == 400 and "Go template" in info.value.error
     client.delete("jsonpet")
     client.delete("jsonpet2")
+    # FROM a model: its weights and presets, the new ones on top
+    client.create("petkid", from_="smolpet", parameters={"num_predict": 5})
+    kid = client.show("petkid")
+    assert "num_predict                    5" in kid.parameters and "temperature                    0" in kid.parameters
+    assert show_system(daemon, "petkid") == SYSTEM
+    client.delete("petkid")
 
 
 def test_a_chat_longer_than_num_ctx_drops_its_oldest_turns(client, daemon):
