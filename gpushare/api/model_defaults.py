@@ -60,16 +60,27 @@ def context_room(engine, model_name: str, context_length: int, num_ctx: int | No
 
 def fit_chat(encode, messages: list[dict], room: int, truncate: bool = True) -> list[int]:
     """Token ids of the longest tail of `messages` whose prompt leaves room for a token, keeping
-    the system messages of the part dropped and always the last message (Ollama's truncation)."""
+    the system messages of the part dropped and always the last message (Ollama's truncation).
+
+    Dropping more never lengthens the prompt, so the first start that fits is found by bisection:
+    a few encodings, not one per message of a long chat."""
     ids = encode(messages)
     if len(ids) < room or not truncate:
         return ids
-    for start in range(1, len(messages)):
-        kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
-        ids = encode(kept)
-        if len(ids) < room:
-            break
-    return ids  # the last message alone may still be too long: usable_context answers 400
+
+    def tail(start: int) -> list[dict]:
+        return [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+
+    low, high = 1, len(messages) - 1  # the answer is in [low, high]; high (the last message alone) always goes
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        mid_ids = encode(tail(mid))
+        if len(mid_ids) < room:
+            best, high = mid_ids, mid - 1
+        else:
+            low = mid + 1
+    return best if best is not None else encode(tail(len(messages) - 1))  # too long still: usable_context's 400
 
 
 # Ollama option -> the OpenAI dialect's sampling field it fills when a request leaves that field unset.
