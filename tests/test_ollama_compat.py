@@ -157,6 +157,7 @@ def test_modelfile_round_trip_and_its_parameters_under_the_request(client, daemo
                                                                    tmp_path):
     modelfile = tmp_path / "Modelfile"
     modelfile.write_text(MODELFILE.format(path=smollm2_path))
+    (tmp_path / "Other").write_text(f"FROM {smollm2_path}\nPARAMETER seed 3\n")
     r = gpushare(daemon, "create", "pirate", "-f", str(modelfile))
     assert r.returncode == 0, r.stderr
     r = gpushare(daemon, "show", "pirate", "--modelfile")
@@ -166,6 +167,11 @@ def test_modelfile_round_trip_and_its_parameters_under_the_request(client, daemo
     (tmp_path / "Again").write_text(r.stdout)
     assert gpushare(daemon, "create", "pirate2", "-f", str(tmp_path / "Again")).returncode == 0
     assert client.show("pirate2").parameters == client.show("pirate").parameters
+    # creating an existing name of ours replaces it, as `ollama create` does; a store model's name is refused
+    assert gpushare(daemon, "create", "pirate2", "-f", str(tmp_path / "Other")).returncode == 0
+    assert client.show("pirate2").parameters == "seed                           3"
+    r = gpushare(daemon, "create", "smolpet:latest", "-f", str(tmp_path / "Other"))
+    assert r.returncode == 1 and "cannot be replaced" in r.stderr and "ollama rm" in r.stderr
 
     chat = [{"role": "system", "content": "You are a pirate.\nAnswer briefly."}, {"role": "user", "content": "Hello"},
             {"role": "assistant", "content": "Ahoy!"}, {"role": "user", "content": "Where is the treasure?"}]
@@ -174,6 +180,12 @@ def test_modelfile_round_trip_and_its_parameters_under_the_request(client, daemo
     assert r.message.content == expected.text and r.eval_count == len(expected.token_ids)
     r = client.chat("pirate", messages=[chat[-1]], options={"num_predict": 3})  # the request's option wins
     assert r.eval_count == 3
+    # replaced while loaded: the next request has the new presets (no system prompt, no MESSAGEs) at once
+    assert "pirate" in daemon.loaded()
+    assert gpushare(daemon, "create", "pirate", "-f", str(tmp_path / "Other")).returncode == 0
+    plain = client.chat(MODEL, messages=[chat[-1]], options={"num_predict": 1})
+    assert client.chat("pirate", messages=[chat[-1]], options={"num_predict": 1}).prompt_eval_count == \
+        plain.prompt_eval_count
     r = gpushare(daemon, "rm", "pirate", "pirate2")
     assert r.returncode == 0 and "deleted 'pirate'" in r.stdout and "deleted 'pirate2'" in r.stdout
 

@@ -6,7 +6,9 @@ its own name: it is recognised by its magic bytes, so Ollama's `sha256-<hex>` bl
 TEMPLATE, MESSAGE, LICENSE, or a copy of a model that has them) is a `NAME.modelfile`
 whose FROM is the weights' absolute path. FROM an existing model name takes that
 model's weights and presets, the new ones on top. Nothing is ever written outside
-models_dir, so Ollama's store and the config's files stay as they are.
+models_dir, so Ollama's store and the config's files stay as they are. As `ollama create`
+does, creating a name that exists replaces it, when it is one of ours (a link or a
+.modelfile in models_dir); a config or Ollama-store model of that name is refused.
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def check_name(name: str, sources: dict[str, ModelSource]) -> None:
+def replaced_file(name: str, sources: dict[str, ModelSource]) -> str | None:
+    """The file of the model `name` that a create replaces (None: a new name); refuses bad or foreign names."""
     if not name or "/" in name or name.startswith(".") or name != name.strip() or name.endswith(MODELFILE_SUFFIX):
         raise RegistrationError(f"invalid model name {name!r}: no '/', no leading '.', no surrounding spaces")
-    if name in sources or f"{name}:latest" in sources:
-        raise RegistrationError(f'a model named "{name}" already exists')
+    existing = sources.get(name) or sources.get(f"{name}:latest")
+    if existing is None:
+        return None
+    try:
+        return removable_file(existing)
+    except RegistrationError as e:
+        raise RegistrationError(f'a model named "{existing.name}" already exists and cannot be replaced: {e}') from None
 
 
 def resolve_base(base: str, sources: dict[str, ModelSource], find) -> tuple[Path, ModelPreset]:
@@ -54,8 +62,8 @@ def resolve_base(base: str, sources: dict[str, ModelSource], find) -> tuple[Path
 
 def create_model(models_dir: Path, sources: dict[str, ModelSource], find, name: str, base: str,
                  preset: ModelPreset | None = None) -> None:
-    """Write NAME into models_dir: a link, or a .modelfile when it has presets."""
-    check_name(name, sources)
+    """Write NAME into models_dir: a link, or a .modelfile when it has presets (replacing our own NAME)."""
+    old = replaced_file(name, sources)
     weights, inherited = resolve_base(base, sources, find)
     preset = (preset or ModelPreset()).over(inherited)
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -63,11 +71,14 @@ def create_model(models_dir: Path, sources: dict[str, ModelSource], find, name: 
         target = models_dir / f"{name}{MODELFILE_SUFFIX}"
         tmp = target.with_name(f".{target.name}.tmp")
         tmp.write_text(format_modelfile(str(weights.resolve()), preset))
-        os.replace(tmp, target)  # whole or not at all: a scan never reads half a file
-    elif weights.is_dir():
-        (models_dir / name).symlink_to(weights.resolve())
     else:
-        (models_dir / f"{name}.gguf").symlink_to(weights.resolve())
+        target = models_dir / (name if weights.is_dir() else f"{name}.gguf")
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(weights.resolve())
+    os.replace(tmp, target)  # whole or not at all: a scan never reads half a file, nor no model at all
+    if old is not None and os.path.abspath(old) != os.path.abspath(target):
+        os.unlink(old)  # the old form (a link where now a .modelfile, or the other way)
 
 
 def removable_file(source: ModelSource) -> str:

@@ -148,9 +148,18 @@ class Registry:
 
     def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
         """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
-        `preset` on top of the target's own (engine/model_create.py: a symlink, or a .modelfile)."""
+        `preset` on top of the target's own (engine/model_create.py: a symlink, or a .modelfile). A model
+        of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
         create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
-        return self.find(name)
+        source = self.find(name)
+        entry = self.residency.loaded.get(source.name)
+        if entry is not None and entry.source.path == source.path:
+            entry.source = source
+        elif entry is not None:
+            entry.retired = True
+            if entry.active == 0:
+                self.residency.start_unload(entry)
+        return source
 
     async def remove(self, name: str) -> None:
         """Unload `name` and delete its models_dir link or .modelfile; config and Ollama-store models are refused."""
