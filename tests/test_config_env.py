@@ -7,7 +7,8 @@ from gpushare.config import ConfigError, parse_settings
 
 def test_ollama_variables_set_their_keys():
     s = parse_settings({"models": []}, env={
-        "OLLAMA_HOST": "0.0.0.0:11500", "OLLAMA_KEEP_ALIVE": "10m", "OLLAMA_ORIGINS": "https://a.example,https://b.example",
+        "OLLAMA_HOST": "0.0.0.0:11500", "OLLAMA_KEEP_ALIVE": "10m",
+        "OLLAMA_ORIGINS": "https://a.example,https://b.example",
         "OLLAMA_MAX_QUEUE": "7", "OLLAMA_CONTEXT_LENGTH": "4096", "OLLAMA_NUM_PARALLEL": "3",
         "OLLAMA_MAX_LOADED_MODELS": "2", "OLLAMA_MODELS": "/srv/ollama"})
     assert s.server.host == "0.0.0.0:11500" and s.server.keep_alive_s == 600

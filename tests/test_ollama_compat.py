@@ -269,8 +269,9 @@ def test_ps_context_is_what_a_request_can_get(client, daemon):
     # a Modelfile's num_ctx sizes what its requests get: a long chat is cut to fit it
     client.create("smallctx", from_=MODEL, parameters={"num_ctx": 64})
     long_chat = [{"role": "user", "content": f"Point {i}: " + "word " * 12} for i in range(6)]
-    r = client.chat("smallctx", messages=long_chat, options={"num_predict": 1})
-    assert r.prompt_eval_count < 64 < client.chat(MODEL, messages=long_chat, options={"num_predict": 1}).prompt_eval_count
+    whole = client.chat(MODEL, messages=long_chat, options={"num_predict": 1})
+    assert client.chat("smallctx", messages=long_chat, options={"num_predict": 1}).prompt_eval_count < 64 < \
+        whole.prompt_eval_count
     assert next(m for m in client.ps().models if m.model == "smallctx").context_length == 64
     client.delete("smallctx")
 
