@@ -1,6 +1,6 @@
 """The `gpushare` command: `serve` runs the daemon; the other verbs talk HTTP to it.
 
-The daemon's address comes from GPUSHARE_HOST (as OLLAMA_HOST for ollama), default
+The daemon's address comes from GPUSHARE_HOST (else OLLAMA_HOST, as for ollama), default
 127.0.0.1:11434; with GPUSHARE_API_KEY set, every verb sends it as `Authorization: Bearer`
 (the daemon's tenants). `node ...` and `service install` come from their own modules.
 """
@@ -13,9 +13,11 @@ import os
 import sys
 import time
 
-from gpushare.cli_format import ProgressBar, human_bytes, human_delta, keep_alive_value, parse_time, table
-from gpushare.cli_http import ApiFailure, DaemonUnreachable, call, stream
+from gpushare.cli_format import human_bytes, human_delta, parse_time, print_model_info, table
+from gpushare.cli_http import ApiFailure, DaemonUnreachable, call, load_with_progress
+from gpushare.cli_run import cmd_run
 from gpushare.config import ConfigError
+from gpushare.modelfile import ModelfileError, parse_modelfile
 
 
 def cmd_serve(args) -> int:
@@ -82,48 +84,33 @@ def cmd_list(args) -> int:
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now),
              m.get("state", "")] for m in data["models"]]
     print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]))
+    for problem in data.get("skipped", []):
+        print(f"skipped: {problem}", file=sys.stderr)
     return 0
 
 
+SHOW_PARTS = ("modelfile", "parameters", "template", "system", "license")
+
+
 def cmd_show(args) -> int:
-    data = call("POST", "/api/show", {"model": args.model})
+    data = call("POST", "/api/show", {"model": args.model, "verbose": bool(args.verbose)})
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    info, details = data.get("model_info", {}), data.get("details", {})
-    arch = info.get("general.architecture", "")
-    lines = [("architecture", arch), ("parameters", details.get("parameter_size", "")),
-             ("context length", info.get(f"{arch}.context_length", "")),
-             ("embedding length", info.get(f"{arch}.embedding_length", "")),
-             ("quantization", details.get("quantization_level", "")), ("format", details.get("format", ""))]
-    print("  Model")
-    for key, value in lines:
-        if value != "":
-            print(f"    {key:<20}{value}")
-    print("\n  Capabilities")
-    for cap in data.get("capabilities", []):
-        print(f"    {cap}")
-    source = next((ln[5:] for ln in data.get("modelfile", "").splitlines() if ln.startswith("FROM ")), None)
-    if source:
-        print(f"\n  Path\n    {source}")
+    parts = [part for part in SHOW_PARTS if getattr(args, part)]
+    if len(parts) > 1:
+        raise ApiFailure(f"choose one of --{', --'.join(parts)}")
+    if parts:
+        text = data.get(parts[0], "")
+        print(text if text.endswith("\n") or not text else text + "\n", end="")
+        return 0
+    print_model_info(data)
     return 0
 
 
 def cmd_load(args) -> int:
     """Load through /api/load, drawing its streamed progress on stderr; stdout says `loaded MODEL`."""
-    body = {"model": args.model}
-    if args.keep_alive is not None:
-        body["keep_alive"] = keep_alive_value(args.keep_alive)
-    bar, final = ProgressBar(f"loading {args.model}"), {}
-    try:
-        for line in stream("/api/load", body):
-            if line.get("status") == "loading" and line.get("total"):
-                bar.update(line["completed"], line["total"])
-            elif line.get("status") == "queued" and not bar.tty:
-                print(f"waiting for memory to load {args.model}", file=sys.stderr)
-            final = line
-    finally:
-        bar.close()
+    final = load_with_progress(args.model, args.keep_alive)
     seconds = f"{final.get('load_duration', 0) / 1e9:.2f}s"
     how = {"loaded": "was already loaded", "warm": f"loaded from the warm tier in {seconds}",
            "on disk": f"loaded from disk in {seconds}"}.get(final.get("from"), f"loaded in {seconds}")
@@ -134,117 +121,51 @@ def cmd_load(args) -> int:
 
 def cmd_unload(args) -> int:
     loaded = {m["name"] for m in call("GET", "/api/ps")["models"]}
-    if args.model not in loaded and f"{args.model}:latest" not in loaded:
-        raise ApiFailure(f'model "{args.model}" is not loaded')
-    call("POST", "/api/generate", {"model": args.model, "keep_alive": 0, "stream": False})
+    for model in args.models:
+        if model not in loaded and f"{model}:latest" not in loaded:
+            raise ApiFailure(f'model "{model}" is not loaded')
+        call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False})
     return 0
 
 
 def cmd_create(args) -> int:
-    source = os.path.abspath(os.path.expanduser(args.source)) if os.path.exists(os.path.expanduser(args.source)) \
-        else args.source
-    call("POST", "/api/create", {"model": args.name, "from": source, "stream": False})
+    """`--from PATH|MODEL`, or `-f Modelfile` (read here; FROM relative to the Modelfile's folder)."""
+    if (args.source is None) == (args.file is None):
+        raise ApiFailure("give either --from PATH or -f Modelfile")
+    body = {"model": args.name, "stream": False}
+    if args.file is not None:
+        try:
+            with open(args.file) as f:
+                parsed = parse_modelfile(f.read(), args.file)
+        except OSError as e:
+            raise ApiFailure(f"cannot read {args.file}: {e.strerror}") from None
+        except ModelfileError as e:
+            raise ApiFailure(str(e)) from None
+        base = os.path.join(os.path.dirname(os.path.abspath(args.file)), os.path.expanduser(parsed.base))
+        source = base if os.path.exists(base) else parsed.base
+        preset = parsed.preset
+        body.update({k: v for k, v in (("parameters", preset.options), ("system", preset.system),
+                                       ("template", preset.template), ("messages", preset.messages),
+                                       ("license", preset.license)) if v})
+    else:
+        path = os.path.expanduser(args.source)
+        source = os.path.abspath(path) if os.path.exists(path) else args.source
+    call("POST", "/api/create", {**body, "from": source})
     print(f"created {args.name} from {source}")
     return 0
 
 
+def cmd_cp(args) -> int:
+    call("POST", "/api/copy", {"source": args.source, "destination": args.destination})
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
 def cmd_rm(args) -> int:
-    call("DELETE", "/api/delete", {"model": args.name})
-    print(f"deleted '{args.name}'")
+    for name in args.names:
+        call("DELETE", "/api/delete", {"model": name})
+        print(f"deleted '{name}'")
     return 0
-
-
-def _chat_once(args, messages: list[dict]) -> str:
-    """Stream one answer to stdout; returns its text."""
-    options = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed),
-                                 ("num_predict", args.max_tokens)) if v is not None}
-    body = {"model": args.model, "messages": messages, "options": options}
-    if args.keep_alive is not None:
-        body["keep_alive"] = keep_alive_value(args.keep_alive)
-    parts, final = [], {}
-    for chunk in stream("/api/chat", body):
-        piece = chunk.get("message", {}).get("content", "")
-        parts.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-        if chunk.get("done"):
-            final = chunk
-    text = "".join(parts)
-    if not text.endswith("\n"):
-        sys.stdout.write("\n")
-    if args.verbose and final:
-        _print_stats(final)
-    return text
-
-
-def _print_stats(final: dict) -> None:
-    """Ollama's `--verbose` summary, from the final chunk's nanosecond durations."""
-    def seconds(key: str) -> float:
-        return final[key] / 1e9
-
-    def rate(count_key: str, duration_key: str) -> str:
-        return f"{final[count_key] / seconds(duration_key):.2f} tokens/s" if final[duration_key] else "-"
-
-    print(f"total duration:       {seconds('total_duration'):.3f}s\n"
-          f"load duration:        {seconds('load_duration'):.3f}s\n"
-          f"prompt eval count:    {final['prompt_eval_count']} token(s)\n"
-          f"prompt eval duration: {seconds('prompt_eval_duration'):.3f}s\n"
-          f"prompt eval rate:     {rate('prompt_eval_count', 'prompt_eval_duration')}\n"
-          f"eval count:           {final['eval_count']} token(s)\n"
-          f"eval duration:        {seconds('eval_duration'):.3f}s\n"
-          f"eval rate:            {rate('eval_count', 'eval_duration')}", file=sys.stderr)
-
-
-def cmd_run(args) -> int:
-    prompt = " ".join(args.prompt)
-    if not sys.stdin.isatty():
-        piped = sys.stdin.read()
-        if piped.strip():
-            prompt = f"{prompt}\n\n{piped}" if prompt else piped
-    elif not prompt:
-        return _interactive(args)
-    if not prompt.strip():
-        raise ApiFailure("the prompt is empty")
-    _chat_once(args, [{"role": "user", "content": prompt}])
-    return 0
-
-
-def _interactive(args) -> int:
-    load = {"model": args.model, "stream": False}
-    if args.keep_alive is not None:
-        load["keep_alive"] = keep_alive_value(args.keep_alive)
-    call("POST", "/api/generate", load)  # fail early (404) and pay the load before the first prompt
-    try:
-        import readline  # noqa: F401  (line editing and history for input())
-    except ImportError:
-        pass
-    history: list[dict] = []
-    print("Type /bye to exit, /clear to forget the conversation.", file=sys.stderr)
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            print()
-            return 0
-        except KeyboardInterrupt:
-            print("\nUse Ctrl + d or /bye to exit.")
-            continue
-        if line.strip() in ("/bye", "/exit"):
-            return 0
-        if line.strip() == "/clear":
-            history.clear()
-            print("Cleared the conversation.")
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            answer = _chat_once(args, history)
-        except KeyboardInterrupt:  # closing the stream cancels the request in the daemon
-            print()
-            history.pop()
-            continue
-        history.append({"role": "assistant", "content": answer})
 
 
 # ---------------------------------------------------------------------------- parser
@@ -269,16 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run", help="chat with a model", description="Send PROMPT to MODEL and stream the "
-                       "answer. With no PROMPT on a terminal, chat interactively (history kept; /bye exits, "
-                       "/clear forgets); piped stdin is read as (or appended to) the prompt.")
+                       "answer. With no PROMPT on a terminal, chat interactively as `ollama run` does (/? lists "
+                       "the commands: /set, /show, /load, /save, /clear, /bye; \"\"\" for several lines; a "
+                       "history file); piped stdin is read as (or appended to) the prompt.")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("prompt", metavar="PROMPT", nargs="*", help="the prompt (words are joined by spaces)")
-    p.add_argument("--keep-alive", metavar="DURATION", help="how long the model stays loaded afterwards "
-                   "(e.g. 10m, 3600, -1 for ever, 0 to unload at once)")
+    p.add_argument("--keep-alive", "--keepalive", dest="keep_alive", metavar="DURATION", help="how long the model "
+                   "stays loaded afterwards (e.g. 10m, 3600, -1 for ever, 0 to unload at once)")
     p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
     p.add_argument("--max-tokens", type=int, help="most tokens to generate per answer")
     p.add_argument("--verbose", action="store_true", help="print timings after each answer (stderr)")
+    p.add_argument("--format", choices=["json"], help="answer in JSON")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("ps", help="list loaded models", description="List the loaded models: size, device, "
@@ -294,34 +217,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="show a model's details",
-                       description="Show MODEL's architecture, size, context length and quantisation.")
+                       description="Show MODEL's architecture, size, context length and quantisation, or one "
+                       "part of it: the Modelfile that rebuilds it, its parameters, template, system prompt or "
+                       "license.")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("--json", action="store_true", help="print the daemon's /api/show answer as JSON")
+    for part in SHOW_PARTS:
+        p.add_argument(f"--{part}", action="store_true", help=f"print only the model's {part}")
+    p.add_argument("--verbose", "-v", action="store_true", help="with --json: every GGUF key and the tensors")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("load", help="load a model now", description="Load MODEL into the engine without "
                        "generating, and keep it for --keep-alive (default: the model's or server's keep_alive).")
     p.add_argument("model", metavar="MODEL")
-    p.add_argument("--keep-alive", metavar="DURATION", help="e.g. 10m, 3600 (seconds), -1 (for ever)")
+    p.add_argument("--keep-alive", "--keepalive", dest="keep_alive", metavar="DURATION",
+                   help="e.g. 10m, 3600 (seconds), -1 (for ever)")
     p.set_defaults(func=cmd_load)
 
     p = sub.add_parser("unload", aliases=["stop"], help="unload a model",
-                       description="Unload MODEL now (after its running requests finish) and free its memory.")
-    p.add_argument("model", metavar="MODEL")
+                       description="Unload each MODEL now (after its running requests finish) and free its "
+                       "memory.")
+    p.add_argument("models", metavar="MODEL", nargs="+")
     p.set_defaults(func=cmd_unload)
 
     p = sub.add_parser("create", help="register a local model under a name",
-                       description="Make PATH (a .gguf file or a Hugging Face folder with config.json and "
-                       "*.safetensors, or an existing model's name) available as NAME, by a link in the "
-                       "daemon's models directory.")
+                       description="Make PATH (a GGUF file, whatever its name, or a Hugging Face folder with "
+                       "config.json and *.safetensors, or an existing model's name) available as NAME, by a link "
+                       "in the daemon's models directory; or build NAME from an Ollama Modelfile (FROM, "
+                       "PARAMETER, SYSTEM, TEMPLATE as Jinja, MESSAGE, LICENSE).")
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--from", dest="source", metavar="PATH", required=True, help="GGUF file, HF folder or model")
+    p.add_argument("--from", dest="source", metavar="PATH", help="GGUF file, HF folder or model")
+    p.add_argument("-f", "--file", metavar="MODELFILE", help="an Ollama Modelfile")
     p.set_defaults(func=cmd_create)
 
-    p = sub.add_parser("rm", help="remove a model made by create",
-                       description="Unload NAME and remove its link from the models directory (the weights "
-                       "it points to are kept).")
-    p.add_argument("name", metavar="NAME")
+    p = sub.add_parser("cp", help="copy a model under a new name",
+                       description="Register SOURCE's weights and presets again as DESTINATION.")
+    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("destination", metavar="DESTINATION")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("rm", help="remove models made by create",
+                       description="Unload each NAME and remove its link or Modelfile from the models directory "
+                       "(the weights it points to are kept).")
+    p.add_argument("names", metavar="NAME", nargs="+")
     p.set_defaults(func=cmd_rm)
 
     _add_optional_verbs(sub)

@@ -47,7 +47,31 @@ def keep_alive_value(text: str | None):
         return text
 
 
-# ---------------------------------------------------------------------------- verbs
+def print_model_info(data: dict) -> None:
+    """`show`'s summary of an /api/show answer: architecture, sizes, capabilities, parameters, path."""
+    info, details = data.get("model_info", {}), data.get("details", {})
+    arch = info.get("general.architecture", "")
+    lines = [("architecture", arch), ("parameters", details.get("parameter_size", "")),
+             ("context length", info.get(f"{arch}.context_length", "")),
+             ("embedding length", info.get(f"{arch}.embedding_length", "")),
+             ("quantization", details.get("quantization_level", "")), ("format", details.get("format", ""))]
+    print("  Model")
+    for key, value in lines:
+        if value != "":
+            print(f"    {key:<20}{value}")
+    print("\n  Capabilities")
+    for cap in data.get("capabilities", []):
+        print(f"    {cap}")
+    if data.get("parameters"):
+        print("\n  Parameters")
+        for line in data["parameters"].splitlines():
+            name, _, value = line.partition(" ")
+            print(f"    {name:<20}{value.strip()}")
+    if data.get("system"):
+        print(f"\n  System\n    {data['system'].splitlines()[0]}")
+    source = next((ln[5:] for ln in data.get("modelfile", "").splitlines() if ln.startswith("FROM ")), None)
+    if source:
+        print(f"\n  Path\n    {source}")
 
 
 class ProgressBar:

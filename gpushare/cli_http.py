@@ -1,15 +1,19 @@
-"""The CLI's HTTP client: finds the daemon (GPUSHARE_HOST), sends the API key, streams NDJSON."""
+"""The CLI's HTTP client: finds the daemon (GPUSHARE_HOST, else OLLAMA_HOST), sends the API key, streams
+NDJSON (and /api/load's progress as a bar)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import sys
 import urllib.error
 import urllib.request
 from typing import Iterator
 
+from gpushare.cli_format import ProgressBar, keep_alive_value
 from gpushare.config import DEFAULT_HOST, parse_host
+from gpushare.config_env import daemon_host
 
 
 class DaemonUnreachable(Exception):
@@ -23,8 +27,9 @@ class ApiFailure(Exception):
 # ---------------------------------------------------------------------------- HTTP client
 
 def daemon_url() -> str:
-    """Base URL of the daemon from GPUSHARE_HOST; a wildcard bind address is reached on loopback."""
-    raw = os.environ.get("GPUSHARE_HOST") or DEFAULT_HOST
+    """Base URL of the daemon from GPUSHARE_HOST (else OLLAMA_HOST); a wildcard bind address is reached on
+    loopback."""
+    raw = daemon_host() or DEFAULT_HOST
     scheme = "https" if raw.strip().startswith("https://") else "http"
     host, port = parse_host(raw, "GPUSHARE_HOST")
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -71,4 +76,20 @@ def stream(path: str, body: dict) -> Iterator[dict]:
             raise ApiFailure(f"the daemon closed the connection mid-answer ({type(e).__name__})") from None
 
 
-# ---------------------------------------------------------------------------- formatting
+def load_with_progress(model: str, keep_alive: str | None) -> dict:
+    """Load through /api/load, drawing its streamed progress on stderr; returns the last line."""
+    body = {"model": model}
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive_value(keep_alive)
+    bar, final = ProgressBar(f"loading {model}"), {}
+    try:
+        for line in stream("/api/load", body):
+            if line.get("status") == "loading" and line.get("total"):
+                bar.update(line["completed"], line["total"])
+            elif line.get("status") == "queued" and not bar.tty:
+                print(f"waiting for memory to load {model}", file=sys.stderr)
+            final = line
+    finally:
+        bar.close()
+    return final
+

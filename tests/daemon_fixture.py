@@ -65,7 +65,7 @@ class Daemon:
 
     def env(self) -> dict:
         """Environment for CLI subprocesses that talk to this daemon."""
-        return {**os.environ, "GPUSHARE_HOST": self.host}
+        return {**os.environ, "GPUSHARE_HOST": self.host, "GPUSHARE_HISTORY": str(self.log_path.parent / "history")}
 
     def loaded(self) -> dict[str, dict]:
         return {m["name"]: m for m in http("GET", self.url + "/api/ps")[1]["models"]}
@@ -113,21 +113,24 @@ def write_config(tmp: Path, port: int, model_path: str, overrides: dict | None =
 
 def spawn_daemon(tmp: Path, model_path: str, overrides: dict | None = None, env: dict | None = None) -> Daemon:
     """Start `gpushare serve` for `model_path` (as smollm2:135m) with its config in tmp/gpushare.yaml;
-    `env` adds to the environment (which keeps none of ours GPUSHARE_ variables); see Daemon.wait_ready."""
+    `env` adds to the environment (which keeps none of our GPUSHARE_ or OLLAMA_ variables); see
+    Daemon.wait_ready. Without OLLAMA_MODELS in `env` no Ollama store is read (the machine's own stays out)."""
     port = free_port()
     (tmp / "models").mkdir(exist_ok=True)
     config = write_config(tmp, port, model_path, overrides)
     log_path = tmp / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")} | (env or {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUSHARE_", "OLLAMA_"))} | \
+        {"OLLAMA_MODELS": str(tmp / "no-ollama-store")} | (env or {})
     proc = subprocess.Popen([str(GPUSHARE), "serve", "--config", str(config)], stdout=log_path.open("w"),
                             stderr=subprocess.STDOUT, env=env)
     return Daemon(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log_path, tmp / "models")
 
 
 @contextmanager
-def serving(tmp: Path, model_path: str, overrides: dict | None = None, while_loading=None) -> Iterator[Daemon]:
+def serving(tmp: Path, model_path: str, overrides: dict | None = None, while_loading=None,
+            env: dict | None = None) -> Iterator[Daemon]:
     """A ready daemon, stopped on leaving; ``while_loading()`` runs while it loads its model."""
-    daemon = spawn_daemon(tmp, model_path, overrides)
+    daemon = spawn_daemon(tmp, model_path, overrides, env)
     try:
         if while_loading is not None:
             while_loading()

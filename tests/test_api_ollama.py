@@ -105,8 +105,10 @@ def test_show(client, daemon, served_llm):
 
 def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon, served_llm):
     (m,) = client.ps().models
-    assert m.model == MODEL and m.context_length == 8192 and m.size > 0 and m.size_vram == 0
     raw = daemon.loaded()[MODEL]
+    # context_length: what one request can get, the trained 8192 capped by the model's KV pool
+    assert m.context_length == min(8192, raw["kv_blocks_total"] * raw["kv_block_size"])
+    assert m.model == MODEL and raw["trained_context_length"] == 8192 and m.size > 0 and m.size_vram == 0
     assert raw["kv_blocks_total"] > 0 and raw["kv_blocks_used"] == 0
     assert raw["running"] == 0 and raw["queued"] == 0
     # size is what it holds now: its weights as stored (int8: a quarter of float32's) plus the KV pool

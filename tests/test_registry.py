@@ -211,9 +211,10 @@ def test_models_dir_scan_create_and_remove(engine, tmp_path, smollm2_path, llm):
     reg.create("folder", str(hf))
     reg.create("alias", "a")  # from a model name
     assert {"a", "mine:q4", "folder", "alias"} <= set(reg.sources())
-    with pytest.raises(RegistrationError, match="already exists"):
-        reg.create("mine:q4", smollm2_path)
-    with pytest.raises(RegistrationError, match="neither a .gguf file"):
+    reg.create("mine:q4", smollm2_path)  # ours: replaced, as `ollama create` does
+    with pytest.raises(RegistrationError, match='"a" already exists and cannot be replaced: .* defined in the config'):
+        reg.create("a", smollm2_path)
+    with pytest.raises(RegistrationError, match="neither a GGUF file"):
         reg.create("bad", str(tmp_path))
     asyncio.run(reg.remove("mine:q4"))
     assert "mine:q4" not in reg.sources() and os.path.exists(smollm2_path)

@@ -5,7 +5,10 @@ carries done_reason and the durations in nanoseconds. A generate/chat request wi
 prompt/messages loads the model (done_reason "load"), or unloads it with keep_alive 0
 (done_reason "unload"). Sampling defaults are Ollama's (temperature 0.8, top_k 40,
 top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last 64
-tokens only (repeat_last_n), a window this engine does not have.
+tokens only (repeat_last_n), a window this engine does not have. A model's own options,
+system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
+longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
+/api/copy are in api/ollama_models.py.
 """
 
 from __future__ import annotations
@@ -14,25 +17,28 @@ import asyncio
 import datetime as dt
 import importlib.metadata
 import json
-import os
 import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_chat, encode_text, off_loop
+from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
-from gpushare.api.memory import memory_report
 from gpushare.api.logprobs import TokenText, requested as logprobs_requested
+from gpushare.api.memory import memory_report
+from gpushare.api.model_defaults import (chat_with_presets, context_room, encode_with_template, fit_chat,
+                                         with_model_options)
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.structured import ollama_format
+from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
+                                  visible)
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
-from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows, visible
+from gpushare.engine.model_catalog import catalog_problems
 from gpushare.engine.registry import ModelLoadError, RegistrationError, RegistryFull
 
 # What every model served here does: generate (every supported architecture is a causal LM), call
@@ -134,8 +140,9 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
 
 async def _generate(request: web.Request, body: dict, model: str, make_prompt, chat: bool,
                     tools: ToolSpec | None = None) -> web.StreamResponse:
-    """Run one generation; ``make_prompt(loaded_model)`` -> token ids; ``chat``: answer as a message."""
-    values, max_tokens, num_ctx = sampling_from_options(body, limits_of(request))
+    """Run one generation; `make_prompt(loaded_model, preset, room)` -> token ids (room: the most tokens the
+    request may hold); ``chat``: answer as a message. The model's preset options sit under the request's."""
+    sampling_from_options(body, limits_of(request))  # the request's own options: a 400 before a slot is taken
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
     stream = field(body, "stream", "boolean", True)
@@ -145,8 +152,12 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
+        preset = lease.entry.source.preset
+        values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
+        num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
-        prompt_ids = await off_loop(make_prompt, lease.model)
+        room = context_room(ctx.engine, lease.entry.name, lease.model.config.context_length, num_ctx)
+        prompt_ids = await off_loop(make_prompt, lease.model, preset, room)
         limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
         # Ollama never fails on num_predict: generation stops at the context.
         max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
@@ -214,11 +225,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt:
         return await _load_or_unload(request, model, keep_alive_s(body), {"response": ""})
 
-    def make_prompt(loaded):
+    def make_prompt(loaded, preset, room):
         if raw:
             return encode_text(loaded, prompt)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return encode_chat(loaded, messages)
+        messages = chat_with_presets(preset, ([{"role": "system", "content": system}] if system else [])
+                                     + [{"role": "user", "content": prompt}])
+        return encode_with_template(loaded, messages, preset.template)
 
     return await _generate(request, body, model, make_prompt, chat=False)
 
@@ -232,8 +244,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not messages:
         return await _load_or_unload(request, model, keep_alive_s(body),
                                      {"message": {"role": "assistant", "content": ""}})
-    return await _generate(request, body, model, lambda loaded: encode_chat_with_tools(loaded, messages, tools),
-                           chat=True, tools=tools)
+    truncate = field(body, "truncate", "boolean", True)
+
+    def make_prompt(loaded, preset, room):
+        return fit_chat(lambda kept: encode_chat_with_tools(loaded, kept, tools, preset.template),
+                        chat_with_presets(preset, messages), room, truncate)
+
+    return await _generate(request, body, model, make_prompt, chat=True, tools=tools)
 
 
 async def embed(request: web.Request) -> web.Response:
@@ -272,7 +289,9 @@ async def tags(request: web.Request) -> web.Response:
         models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
                        "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source),
                        "state": registry.state(source)})  # gpushare's: loaded, loading, warm or on disk
-    return web.json_response({"models": models})
+    # gpushare's: why a broken manifest or Modelfile is not listed (admins only: it names files)
+    skipped = catalog_problems(context(request).settings) if is_admin(request) else []
+    return web.json_response({"models": models, **({"skipped": skipped} if skipped else {})})
 
 
 async def ps(request: web.Request) -> web.Response:
@@ -292,7 +311,10 @@ async def ps(request: web.Request) -> web.Response:
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
             "size_vram": size if ctx.registry.device == "cuda" else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": entry.model.config.context_length,
+            "context_length": context_room(ctx.engine, entry.name, entry.model.config.context_length,
+                                           entry.source.preset.options.get("num_ctx")
+                                           or ctx.settings.server.context_length),
+            "trained_context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
@@ -308,38 +330,6 @@ async def ps(request: web.Request) -> web.Response:
     if is_admin(request):  # node-wide figures: the operator's, not every tenant's
         body["memory"] = memory_report(ctx).as_json()
     return web.json_response(body)
-
-
-async def show(request: web.Request) -> web.Response:
-    body = await read_json_object(request)
-    name = field(body, "model", "string") or field(body, "name", "string")
-    if not name:
-        raise bad_request('"model" is required', param="model")
-    check_model(request, name)
-    registry = context(request).registry
-    source = registry.find(name)
-    desc = await registry.describe(source.name)
-    # Where the node keeps its files is the operator's business: other tenants see the file name only.
-    path = source.path if is_admin(request) else os.path.basename(source.path)
-    return web.json_response({
-        "modelfile": f"# gpushare model {source.name}\nFROM {path}\n",
-        "parameters": "", "template": desc.template or "", "details": desc.details, "model_info": desc.model_info,
-        "capabilities": CAPABILITIES, "modified_at": rfc3339(source.modified_at()),
-        "weights": await registry.weight_format(source.name),
-    })
-
-
-async def create(request: web.Request) -> web.Response:
-    """Register a local file, folder or model under a new name: {"model": NAME, "from": PATH}."""
-    body = await read_json_object(request)
-    name = required_string(body, "model")
-    source = required_string(body, "from")
-    check_admin(request, "create models")
-    try:
-        context(request).registry.create(name, source)
-    except RegistrationError as e:
-        raise bad_request(str(e)) from None
-    return web.json_response({"status": "success"})
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -409,8 +399,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", ps)
     app.router.add_post("/api/load", load)
-    app.router.add_post("/api/show", show)
-    app.router.add_post("/api/create", create)
     app.router.add_delete("/api/delete", delete)
-    for path in ("/api/pull", "/api/push", "/api/copy"):
+    for path in ("/api/pull", "/api/push"):
         app.router.add_post(path, not_supported)

@@ -23,6 +23,7 @@ from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
+from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
                                     usable_context)
 from gpushare.api.structured import openai_response_format
@@ -137,10 +138,13 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
         raise bad_request(f'"n" must be at most engine.max_num_seqs ({ctx.engine.config.max_num_seqs}), got {n}',
                           param="n")
     async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
-        prompt_ids = await off_loop(make_prompt, lease.model)
-        limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids)
-        # A default never overflows the context; an explicit max_tokens that does is a 400, as in vLLM.
+        preset = lease.entry.source.preset  # the model's options, system prompt, template (model_defaults.py)
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+        fill_openai_values(values, preset, explicit)
+        prompt_ids = await off_loop(make_prompt, lease.model, preset)
+        limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids,
+                               preset.options.get("num_ctx") or ctx.settings.server.context_length)
+        # A default never overflows the context; an explicit max_tokens that does is a 400, as in vLLM.
         if not explicit:
             values["max_tokens"] = min(values["max_tokens"] or limit, limit - len(prompt_ids))
         params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
@@ -228,8 +232,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     messages = parse_messages(body, limits_of(request))
     tools = parse_tools(body)
-    return await _complete(request, body, lambda model: encode_chat_with_tools(model, messages, tools), None,
-                           chat=True, tools=tools)
+    return await _complete(request, body, lambda model, preset: encode_chat_with_tools(
+        model, chat_with_presets(preset, messages), tools, preset.template), None, chat=True, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -238,7 +242,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               "response_format": "is not supported on /v1/completions; use /v1/chat/completions"})
     prompt = parse_prompt(body, limits_of(request))
 
-    def make_prompt(model):
+    def make_prompt(model, preset):  # a raw prompt: the model's system prompt and template do not apply
         return encode_text(model, prompt) if isinstance(prompt, str) else prompt
 
     # OpenAI's legacy completions default to 16 tokens.

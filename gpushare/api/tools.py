@@ -17,7 +17,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from gpushare.api.context import encode_chat
+from gpushare.api.model_defaults import encode_with_template
 from gpushare.api.errors import bad_request
 from gpushare.engine.constraints import SchemaError, StructuredOutput, check_schema
 
@@ -189,9 +189,10 @@ def render_messages(model, messages: list[dict], spec: ToolSpec) -> tuple[list[d
     return fallback_messages(messages, spec), {}
 
 
-def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec) -> list[int]:
+def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, template: str | None = None) -> list[int]:
+    """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own."""
     messages, extra = render_messages(model, messages, spec)
-    return encode_chat(model, messages, **extra)
+    return encode_with_template(model, messages, template, **extra)
 
 
 # ---------------------------------------------------------------------------- the reply

@@ -1,19 +1,28 @@
-"""What models exist and what they are: config entries, the models_dir scan, descriptions.
+"""What models exist and what they are: config entries, the models_dir scan, Ollama's store, descriptions.
 
-Models come from the config's `models` list and from a scan of `models_dir` (every
-``*.gguf`` file and every folder holding a config.json; the config wins a name clash).
-A description (what /api/show and /api/tags tell) is read from the files without the
-weights, or from the loaded model.
+Models come from the config's `models` list, from a scan of `models_dir` (every ``*.gguf``
+file, every folder holding a config.json, every ``NAME.modelfile`` that `gpushare create -f`
+wrote) and from Ollama's model stores (engine/ollama_store.py); on a name clash the config
+wins, then models_dir, then the stores in order. Each carries a ModelPreset (its default
+options, system prompt, template). A description (what /api/show and /api/tags tell) is
+read from the files without the weights, or from the loaded model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpushare.config import Settings
+from gpushare.engine.ollama_store import scan_store, store_problems
+from gpushare.model_options import ModelPreset
+from gpushare.modelfile import ModelfileError, parse_modelfile
+
+log = logging.getLogger("gpushare.registry")
+MODELFILE_SUFFIX = ".modelfile"
 
 
 class ModelNotFound(KeyError):
@@ -35,6 +44,9 @@ class ModelSource:
     preload: bool = False  # loaded at daemon start
     weight: float = 1.0  # share of engine steps when several models are busy
     weights: str | None = None  # weight format (models[].weights); None: engine.weights
+    preset: ModelPreset = field(default_factory=ModelPreset)  # default options, system prompt, template
+    definition: str | None = None  # the file that defines it beside the weights: a .modelfile or a manifest
+    sha256: str | None = None  # the weights' real digest when known (Ollama's blob name)
 
     @property
     def format(self) -> str:
@@ -46,10 +58,12 @@ class ModelSource:
         return os.path.getsize(self.path)
 
     def modified_at(self) -> float:
-        return os.path.getmtime(self.path)
+        return os.path.getmtime(self.definition or self.path)
 
     def digest(self) -> str:
         """A stable ID from path, size and mtime (hashing multi-GB weights on every list is too slow)."""
+        if self.sha256:
+            return self.sha256
         key = f"{os.path.realpath(self.path)}:{self.size_bytes()}:{self.modified_at()}"
         return hashlib.sha256(key.encode()).hexdigest()
 
@@ -66,15 +80,57 @@ def scan_models_dir(models_dir: Path) -> list[ModelSource]:
             found.append(ModelSource(p.name[: -len(".gguf")], str(p), origin="models_dir"))
         elif p.is_dir() and (p / "config.json").is_file():
             found.append(ModelSource(p.name, str(p), origin="models_dir"))
+        elif p.suffix == MODELFILE_SUFFIX and p.is_file():
+            source = _read_created(p)
+            if source is not None:
+                found.append(source)
     return found
 
 
+_created_cache: dict[Path, tuple[tuple, ModelSource | None]] = {}  # a broken file is logged once, not per request
+_created_problems: dict[Path, str] = {}
+
+
+def _read_created(path: Path) -> ModelSource | None:
+    """A model `create -f` wrote: its Modelfile names the weights by absolute path."""
+    st = path.stat()
+    stamp = (st.st_mtime_ns, st.st_size)
+    cached = _created_cache.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    source = None
+    try:
+        modelfile = parse_modelfile(path.read_text(), str(path))
+        if not os.path.exists(modelfile.base):
+            raise ModelfileError(f"{path}: FROM {modelfile.base}: no such file or folder")
+        source = ModelSource(path.name[: -len(MODELFILE_SUFFIX)], modelfile.base, origin="models_dir",
+                             preset=modelfile.preset, definition=str(path))
+    except (ModelfileError, OSError, UnicodeDecodeError) as e:
+        log.warning("models_dir: skipping %s: %s", path.name, e)
+        _created_problems[path] = str(e)
+    _created_cache[path] = (stamp, source)
+    return source
+
+
+def catalog_problems(settings: Settings) -> list[str]:
+    """Why the files the last listing skipped (broken manifests, Modelfiles) were skipped."""
+    created = [message for path, message in sorted(_created_problems.items())
+               if path.parent == settings.models_dir and path.exists() and _created_cache[path][1] is None]
+    return created + [message for root in settings.ollama_models for message in store_problems(root)]
+
+
 def model_sources(settings: Settings) -> dict[str, ModelSource]:
-    """Every available model by name: the models_dir scan, overridden by the config's entries."""
-    found = {s.name: s for s in scan_models_dir(settings.models_dir)}
+    """Every available model by name: Ollama's stores, the models_dir scan, the config's entries (last wins)."""
+    found = {}
+    for root in reversed(settings.ollama_models):  # the first store named wins a clash between stores
+        for name, manifest, path, sha256, preset in scan_store(root):
+            found[name] = ModelSource(name, path, origin="ollama", preset=preset, definition=str(manifest),
+                                      sha256=sha256)
+    found.update((s.name, s) for s in scan_models_dir(settings.models_dir))
     for m in settings.models:
         found[m.name] = ModelSource(m.name, m.path, m.keep_alive_s, origin="config", pinned=m.pinned,
-                                    preload=m.preload, weight=m.weight, weights=m.weights)
+                                    preload=m.preload, weight=m.weight, weights=m.weights,
+                                    preset=ModelPreset(dict(m.options), m.system))
     return found
 
 

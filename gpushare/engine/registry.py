@@ -23,13 +23,14 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from gpushare.config import Settings
 from gpushare.engine.memory_budget import default_budget_bytes
+from gpushare.engine.model_create import create_model, removable_file
 from gpushare.engine.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
 from gpushare.engine.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
+from gpushare.model_options import ModelPreset
 from gpushare.models.weight_format import resolve_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
@@ -145,37 +146,28 @@ class Registry:
 
     # ------------------------------------------------------------------ create / remove
 
-    def create(self, name: str, target: str) -> ModelSource:
-        """Register `target` (a .gguf file, an HF folder or a model name) as `name` in models_dir (a symlink)."""
-        if not name or "/" in name or name.startswith(".") or name != name.strip():
-            raise RegistrationError(f"invalid model name {name!r}: no '/', no leading '.', no surrounding spaces")
-        if name in self.sources():
-            raise RegistrationError(f'a model named "{name}" already exists')
-        path = Path(self.find(target).path if target in self.sources() else target).expanduser()
-        if not path.is_absolute():
-            raise RegistrationError(f"path {str(path)!r} must be absolute (it is resolved by the daemon)")
-        if path.is_file() and path.suffix == ".gguf":
-            link = self.settings.models_dir / f"{name}.gguf"
-        elif path.is_dir() and (path / "config.json").is_file():
-            link = self.settings.models_dir / name
-        else:
-            raise RegistrationError(f"{str(path)!r} is neither a .gguf file nor a Hugging Face folder with "
-                                    f"config.json, nor a model name")
-        self.settings.models_dir.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(path.resolve())
-        return self.find(name)
+    def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
+        """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
+        `preset` on top of the target's own (engine/model_create.py: a symlink, or a .modelfile). A model
+        of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
+        create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
+        source = self.find(name)
+        entry = self.residency.loaded.get(source.name)
+        if entry is not None and entry.source.path == source.path:
+            entry.source = source
+        elif entry is not None:
+            entry.retired = True
+            if entry.active == 0:
+                self.residency.start_unload(entry)
+        return source
 
     async def remove(self, name: str) -> None:
-        """Unload `name` and delete its models_dir link; real files and config models are refused."""
+        """Unload `name` and delete its models_dir link or .modelfile; config and Ollama-store models are refused."""
         source = self.find(name)
-        if source.origin == "config":
-            raise RegistrationError(f'model "{source.name}" is defined in the config file; remove it there')
-        if not os.path.islink(source.path):
-            raise RegistrationError(f'model "{source.name}" is a file in the models directory, not a link made by '
-                                    f"create; delete it yourself: {source.path}")
+        path = removable_file(source)
         await self.unload(source.name)
         self.residency.warm.take(self.residency.warm_key(source))
-        os.unlink(source.path)
+        os.unlink(path)
 
     # ------------------------------------------------------------------ requests
 
