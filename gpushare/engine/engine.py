@@ -134,7 +134,8 @@ class Engine:
             if num_blocks < 1:
                 raise ValueError(f"kv cache budget {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
             pool = BlockPool(num_blocks, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
-            scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                  loaded.config.kv_window)
             self.workers[name] = ModelWorker(name, loaded, scheduler, ModelRunner(loaded, pool), share_weight)
 
         self._run_on_engine(add)

@@ -10,6 +10,7 @@ import torch
 
 from gpushare.models import chat_template
 from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.models.hf_names import hf_tensor
 from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
@@ -71,7 +72,11 @@ def read_gguf(path: str, progress=None, weights: str = "float32", device: str = 
     config = config_from_gguf(meta)
     weights = resolve_weights(weights, device, _matrix_types(tensors))
     state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
-                         progress=progress, weights=weights)
+                         progress=progress, weights=weights, gate_up_fused=config.arch == "phi3")
+    for which in ("short", "long"):  # LongRoPE's factors travel as tensors in GGUF
+        factors = state.pop(f"rope_factors_{which}", None)
+        if factors is not None:
+            config.rope_scaling[f"{which}_factor"] = factors.flatten().tolist()
     config.tie_word_embeddings = "lm_head.weight" not in state
     tokenizer = tokenizer_from_gguf(meta)
     stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
@@ -138,8 +143,8 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     for f in files:
         try:
             with safe_open(f, "pt") as tensors:
-                for name in tensors.keys():
-                    dense = tensors.get_tensor(name).float()
+                for hf_name in tensors.keys():
+                    name, dense = hf_tensor(hf_name, tensors.get_tensor(hf_name).float(), config)
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
