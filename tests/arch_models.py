@@ -17,12 +17,15 @@ WINDOW = 8  # sliding windows: prompts and answers run well past it
 
 
 def _configs(vocab: int) -> dict:
-    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=512)
     half = HEAD_DIM // 2
     return {
+        # Llama with whole K-quant super-blocks (256) in every matrix row, for quantized files.
+        "llama": lambda: LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+                                     num_hidden_layers=2, tie_word_embeddings=True),
         # Qwen3: q/k norms; heads * head_dim (128) is not the hidden size, as in the real models.
         "qwen3": lambda: Qwen3Config(**{**common, "head_dim": 32}, num_hidden_layers=2, tie_word_embeddings=True,
                                      rope_theta=1e6),
@@ -106,7 +109,7 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> str:
     """Convert the model in ``folder`` to a GGUF at ``path``; ``quantize(name, array)`` may return
-    ``(raw block bytes, GGML type)`` for a tensor, else it is stored as float32."""
+    ``(block bytes [rows, bytes per row], GGML type)`` for a tensor, else None: stored as float32."""
     import gguf
     from safetensors.torch import load_file
 
@@ -132,8 +135,8 @@ def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> st
         if stored is None:
             writer.add_tensor(_gguf_name(name, arch), array)
         else:
-            blocks, qtype = stored
-            writer.add_tensor(_gguf_name(name, arch), blocks, raw_shape=array.shape, raw_dtype=qtype)
+            blocks, qtype = stored  # [rows, bytes per row] uint8: the writer takes the shape from it
+            writer.add_tensor(_gguf_name(name, arch), blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
