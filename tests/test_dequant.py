@@ -8,16 +8,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from arch_models import hf_to_gguf, save_hf_model
 from gpushare import LLM, SamplingParams
-from gpushare.models.dequant import FAST, dequantize
+from gpushare.models.dequant import FAST, FP16_OFFSETS, dequantize
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import read_gguf
 from gpushare.models.quantized import Int4Weight, int4_from_gguf
 from kquants import quantize_q4_k, quantize_q6_k
-
-# Byte offsets of each format's fp16 fields: random bytes there could be inf or NaN.
-FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
-
 
 def random_blocks(type_name: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
     """Random bytes in every field, finite random scales: ``[rows, bytes per row]`` uint8."""
@@ -25,7 +20,7 @@ def random_blocks(type_name: str, rows: int, blocks_per_row: int, seed: int) -> 
     _, block_bytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * blocks_per_row, block_bytes), dtype=np.uint8)
-    for offset in FP16_FIELDS[type_name]:
+    for offset in FP16_OFFSETS[type_name]:
         scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
@@ -33,7 +28,7 @@ def random_blocks(type_name: str, rows: int, blocks_per_row: int, seed: int) -> 
 
 @pytest.mark.parametrize("type_name", sorted(FAST))
 def test_dequantisation_is_bit_exact_against_gguf(type_name):
-    assert set(FP16_FIELDS) == set(FAST)
+    assert set(FP16_OFFSETS) == set(FAST)
     qtype = GGMLQuantizationType[type_name]
     block_weights, _ = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(type_name, rows=6, blocks_per_row=3, seed=len(type_name))
