@@ -6,6 +6,9 @@ transformers', and 32 greedy tokens equal, alone and in a batch, with prompts an
 the sliding windows (8 tokens) and prefill chunked (16 tokens a step) over blocks of 4 tokens.
 """
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -150,3 +153,10 @@ def test_triton_kernels_run_windows_and_softcaps_like_transformers(arch_model, m
     steps = list(step_by_step(loaded, prompt, 4))  # prefill chunks of 8 past the window, then decodes
     seq = steps[-1][0]
     assert seq.output_ids == greedy_transformers(oracle, prompt, 4)
+
+
+def test_a_folder_stops_at_the_eos_ids_of_its_generation_config(tmp_path, smollm2_path):
+    folder = save_hf_model("phi3", str(tmp_path / "phi3"), smollm2_path)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7, 11]}, f)  # Phi-3 lists <|end|> (32007) here, not in config.json
+    assert {7, 11} <= load_model(folder, weights="float32").stop_token_ids
