@@ -23,9 +23,13 @@ def _configs(vocab: int) -> dict:
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=512)
     half = HEAD_DIM // 2
     return {
-        # Llama with whole K-quant super-blocks (256) in every matrix row, for quantized files.
+        # Llama 3.x: its rope scaling past an original context of 64 positions; whole K-quant
+        # super-blocks (256) in every matrix row, for quantized files.
         "llama": lambda: LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
-                                     num_hidden_layers=2, tie_word_embeddings=True),
+                                     num_hidden_layers=2, tie_word_embeddings=True, rope_parameters={
+                                         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": 500000.0}),
         # Qwen3: q/k norms; heads * head_dim (128) is not the hidden size, as in the real models.
         "qwen3": lambda: Qwen3Config(**{**common, "head_dim": 32}, num_hidden_layers=2, tie_word_embeddings=True,
                                      rope_theta=1e6),
@@ -49,7 +53,7 @@ def _configs(vocab: int) -> dict:
     }
 
 
-ARCHS = ("qwen3", "mistral", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
 
 
 def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0) -> str:
@@ -59,10 +63,32 @@ def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0) ->
     meta, _ = read_gguf_file(tokenizer_gguf)
     config = _configs(len(meta["tokenizer.ggml.tokens"]))[arch]()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model.save_pretrained(folder)
+    _write_tokenizer(folder, tokenizer_gguf)
+    return folder
+
+
+def _perturbed(model):
+    """Noise on every weight (norms too): weights big enough to give decisive logits, and norms
+    that are not all ones, so a norm read wrong shows."""
     with torch.no_grad():
-        for name, p in model.named_parameters():  # weights big enough to give decisive logits
+        for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.08))
+    return model
+
+
+def save_gemma3_multimodal(folder: str, tokenizer_gguf: str, seed: int = 0) -> str:
+    """A random Gemma 3 checkpoint as the 4B-and-up ones ship: text model, vision tower, projector."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    meta, _ = read_gguf_file(tokenizer_gguf)
+    text = _configs(len(meta["tokenizer.ggml.tokens"]))["gemma3"]()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = _perturbed(Gemma3ForConditionalGeneration(config))
     model.save_pretrained(folder)
     _write_tokenizer(folder, tokenizer_gguf)
     return folder
@@ -124,6 +150,9 @@ def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> st
         rope = raw.get("rope_parameters") or raw["rope_scaling"]
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(rope, raw))
     for name, tensor in state.items():
         if gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]
@@ -142,6 +171,24 @@ def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> st
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _llama3_rope_divisors(rope: dict, raw: dict) -> np.ndarray:
+    """llama.cpp's form of Llama 3's rope scaling: one divisor per frequency, as a tensor."""
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    divisors = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _write_metadata(writer, raw: dict, arch: str) -> None:

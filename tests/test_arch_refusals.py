@@ -15,7 +15,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermedi
 
 @pytest.mark.parametrize("extra, named", [
     ({"model_type": "falcon"}, "'falcon'"),
-    ({"model_type": "gemma3"}, "gemma3_text"),
+    ({"model_type": "gemma3"}, "text_config"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
     ({"hidden_act": "gelu"}, "'gelu'"),

@@ -1,4 +1,5 @@
-"""Qwen3, Mistral (sliding window), Gemma 2, Gemma 3 and Phi-3 (LongRoPE) against transformers.
+"""Llama 3 (its rope scaling), Qwen3, Mistral (sliding window), Gemma 2, Gemma 3 and Phi-3 (LongRoPE)
+against transformers.
 
 Each is a tiny random model built with transformers (tests/arch_models.py), loaded by us from its
 safetensors folder and from its GGUF conversion, in float32: last-position logits within 1e-3 of
@@ -12,7 +13,7 @@ import os
 import pytest
 import torch
 
-from arch_models import ARCHS, WINDOW, hf_to_gguf, save_hf_model
+from arch_models import ARCHS, WINDOW, hf_to_gguf, save_gemma3_multimodal, save_hf_model
 from gpushare import LLM, SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_cache import FREED_BLOCK
@@ -160,3 +161,16 @@ def test_a_folder_stops_at_the_eos_ids_of_its_generation_config(tmp_path, smollm
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, 7, 11]}, f)  # Phi-3 lists <|end|> (32007) here, not in config.json
     assert {7, 11} <= load_model(folder, weights="float32").stop_token_ids
+
+
+def test_a_multimodal_gemma3_folder_loads_its_text_model(tmp_path, smollm2_path):
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = save_gemma3_multimodal(str(tmp_path / "gemma3-mm"), smollm2_path)
+    loaded = load_model(folder, weights="float32")
+    assert loaded.config.arch == "gemma3" and loaded.config.layer_windows == [WINDOW] * 5 + [0]
+    prompt = loaded.tokenizer.encode(PROMPTS[0])
+    oracle = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    seq = list(step_by_step(loaded, prompt, 8))[-1][0]
+    assert seq.output_ids == greedy_transformers(oracle, prompt, 8)

@@ -26,6 +26,12 @@ _HF_ARCHS = {"gemma3_text": "gemma3"}
 # Which layers slide when a file gives a window but no per-layer list: every ``period``-th layer is
 # global (Gemma 2: 2, Gemma 3: 6, as llama.cpp and transformers both assume); other models: all slide.
 _WINDOW_PERIOD = {"gemma2": 2, "gemma3": 6}
+# What Gemma 3's multimodal config.json leaves out of its text_config: transformers' defaults.
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "head_dim": 256, "query_pre_attn_scalar": 256,
+                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                         "rope_local_base_freq": 10000.0, "sliding_window": 4096, "sliding_window_pattern": 6,
+                         "hidden_activation": "gelu_pytorch_tanh", "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "tie_word_embeddings": True}
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Bounds on the numbers a model file states, checked before anything is sized by them (rope tables
 # by context_length, layers by num_layers): far above any real model, far below a crafted file's 2**63.
@@ -182,9 +188,12 @@ def _refuse_gguf_features(meta: dict, arch: str, head_dim: int) -> None:
 def config_from_hf(raw: dict) -> ModelConfig:
     """Build the config from a Hugging Face ``config.json`` dict."""
     model_type = raw.get("model_type", "llama")
-    if model_type == "gemma3":
-        raise ValueError("unsupported architecture 'gemma3' (the multimodal checkpoint); its text-only form "
-                         f"gemma3_text is supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if model_type == "gemma3":  # the multimodal checkpoints (4B and up): their text model
+        if "text_config" not in raw:
+            raise ValueError("a gemma3 config.json without text_config is not supported (supported: gemma3 "
+                             "with its text_config, gemma3_text)")
+        raw = {**_GEMMA3_TEXT_DEFAULTS, **raw["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     arch = _HF_ARCHS.get(model_type, model_type)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_ARCHS)})")

@@ -10,7 +10,7 @@ import torch
 
 from gpushare.models import chat_template
 from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
-from gpushare.models.hf_names import hf_tensor
+from gpushare.models.hf_names import hf_tensor, text_model_name
 from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
@@ -148,7 +148,10 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
         try:
             with safe_open(f, "pt") as tensors:
                 for hf_name in tensors.keys():
-                    name, dense = hf_tensor(hf_name, tensors.get_tensor(hf_name).float(), config)
+                    name = text_model_name(hf_name)
+                    if name is None:
+                        continue
+                    name, dense = hf_tensor(name, tensors.get_tensor(hf_name).float(), config)
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
