@@ -17,7 +17,8 @@ WINDOW = 8  # sliding windows: prompts and answers run well past it
 
 
 def _configs(vocab: int) -> dict:
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen3Config)
 
     common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=512)
@@ -33,6 +34,7 @@ def _configs(vocab: int) -> dict:
         # Qwen3: q/k norms; heads * head_dim (128) is not the hidden size, as in the real models.
         "qwen3": lambda: Qwen3Config(**{**common, "head_dim": 32}, num_hidden_layers=2, tie_word_embeddings=True,
                                      rope_theta=1e6),
+        "gemma": lambda: GemmaConfig(**common, num_hidden_layers=2),
         "mistral": lambda: MistralConfig(**common, num_hidden_layers=2, sliding_window=WINDOW),
         # Gemma 2: sliding and global layers alternating, both soft-caps small enough to bite.
         "gemma2": lambda: Gemma2Config(**common, num_hidden_layers=3, sliding_window=WINDOW,
@@ -53,7 +55,7 @@ def _configs(vocab: int) -> dict:
     }
 
 
-ARCHS = ("llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3")
 
 
 def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0) -> str:
@@ -124,7 +126,7 @@ def _gguf_name(name: str, arch: str) -> str:
         return top[name]
     _, _, layer, rest = name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     return f"blk.{layer}.{names[module]}.{suffix}"
 
 

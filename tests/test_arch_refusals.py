@@ -18,7 +18,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermedi
     ({"model_type": "gemma3"}, "text_config"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
-    ({"hidden_act": "gelu"}, "'gelu'"),
+    ({"hidden_act": "relu"}, "'relu'"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),

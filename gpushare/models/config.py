@@ -10,14 +10,15 @@ what we support: a model is never loaded and run wrong.
 import math
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "smollm", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 # Features each architecture switches on in the one model (defaults: Llama's).
 _GEMMA = {"hidden_act": "gelu_tanh", "sandwich_norm": True, "scale_embeddings": True}
 ARCH_FEATURES = {
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma": {"hidden_act": "gelu_tanh", "scale_embeddings": True},
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, "qk_norm": True},
 }
@@ -32,7 +33,7 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "head_dim": 256, "query_pre_attn_
                          "rope_local_base_freq": 10000.0, "sliding_window": 4096, "sliding_window_pattern": 6,
                          "hidden_activation": "gelu_pytorch_tanh", "num_attention_heads": 8,
                          "num_key_value_heads": 4, "tie_word_embeddings": True}
-_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Bounds on the numbers a model file states, checked before anything is sized by them (rope tables
 # by context_length, layers by num_layers): far above any real model, far below a crafted file's 2**63.
 LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_layers": 1024,
@@ -57,7 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # Architecture features (ARCH_FEATURES); the defaults are Llama's.
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
-    hidden_act: str = "silu"  # the MLP's gate: SwiGLU ("silu") or GeGLU ("gelu_tanh", Gemma)
+    hidden_act: str = "silu"  # the MLP's gate: SwiGLU ("silu") or GeGLU ("gelu_tanh", Gemma; "gelu" exact)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma 2/3)
     query_scale: float | None = None  # attention scores' scale; None: head_dim ** -0.5

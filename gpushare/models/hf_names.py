@@ -1,8 +1,8 @@
 """Hugging Face tensors under the names (and conventions) the GGUF reader also gives: Llama's.
 
-Most architectures already use Llama's names. Gemma 2/3 differ: their ``post_attention_layernorm``
+Most architectures already use Llama's names (Gemma 1 too). Gemma 2/3 differ: their ``post_attention_layernorm``
 normalises the attention output (ours: ``attn_output_norm``), ``pre_feedforward_layernorm`` is the
-MLP's input norm (Llama's ``post_attention_layernorm``), and every norm multiplies by ``1 + w``,
+MLP's input norm (Llama's ``post_attention_layernorm``), and every Gemma norm multiplies by ``1 + w``,
 which llama.cpp's GGUF files store with the 1 already added; so do we. Gemma 3's multimodal
 checkpoints keep the text model under ``language_model.``: we load it, not the vision tower.
 """
@@ -35,7 +35,7 @@ def hf_tensor(name: str, tensor: torch.Tensor, config: ModelConfig) -> tuple[str
     """``(name, tensor)`` as the GGUF reader would give them for this architecture."""
     if not config.arch.startswith("gemma"):
         return name, tensor
-    for theirs, ours in _GEMMA_NORMS.items():
+    for theirs, ours in _GEMMA_NORMS.items() if config.sandwich_norm else ():
         if theirs in name:
             name = name.replace(theirs, ours)
             break

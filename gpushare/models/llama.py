@@ -1,5 +1,5 @@
 """The one transformer every supported architecture runs as (Llama 2/3, Mistral, Qwen2/3, SmolLM2,
-Gemma 2/3, Phi-3) over a paged KV cache; ``ModelConfig``'s features say what differs.
+Gemma 1/2/3, Phi-3) over a paged KV cache; ``ModelConfig``'s features say what differs.
 
 Tokens of a batch are flattened into one ``[T, hidden]`` matrix: prefill chunks first, then
 single-token decodes. ``AttentionBatch`` says which rows belong to which sequence and where
@@ -159,11 +159,14 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gelu = config.hidden_act == "gelu_tanh"
+        self.act = config.hidden_act
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
         return self.down_proj(gate * up)
 
 
