@@ -40,7 +40,7 @@ def gguf_meta(arch="llama", **extra):
 @pytest.mark.parametrize("meta, named", [
     (gguf_meta("falcon"), "'falcon'"),
     (gguf_meta(**{"rope.scaling.type": "yarn"}), "'yarn'"),
-    (gguf_meta(**{"rope.dimension_count": 8}), "partial rotary"),
+    (gguf_meta(**{"attention.key_length": 16, "rope.dimension_count": 8}), "partial rotary"),
     (gguf_meta(**{"attention.value_length": 32}), "value_length"),
     (gguf_meta(**{"expert_count": 8}), "expert_count"),
 ])

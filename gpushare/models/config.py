@@ -128,7 +128,8 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     num_layers = int(key("block_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads)
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                   or hidden // num_heads)
     _refuse_gguf_features(meta, arch, head_dim)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     scaling = {}
