@@ -80,3 +80,11 @@ def test_a_gguf_whose_metadata_disagrees_with_its_tensors_is_refused_naming_the_
     path = hf_to_gguf(str(lying), str(tmp_path / "lying.gguf"), smollm2_path)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.weight has shape \[64, 128\].*needs \[64, 96\]"):
         load_model(path, weights="float32")
+
+
+def test_phi3_gguf_uses_longrope_only_past_its_original_context():
+    short = config_from_gguf(gguf_meta("phi3", **{"rope.scaling.original_context_length": 256}))
+    assert short.rope_scaling == {}  # Phi-3-mini-4k: the original context is the context
+    long = config_from_gguf(gguf_meta("phi3", **{"rope.scaling.original_context_length": 64,
+                                                 "rope.scaling.attn_factor": 1.2}))
+    assert long.rope_scaling["rope_type"] == "longrope" and long.rope_scaling["attention_factor"] == 1.2

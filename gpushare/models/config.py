@@ -99,7 +99,8 @@ class ModelConfig:
 
 
 def rope_type(scaling: dict) -> str:
-    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    return "longrope" if kind == "su" else kind  # early Phi-3 128k configs called LongRoPE "su"
 
 
 def _windows(arch: str, num_layers: int, window: int | None, pattern=None) -> list[int]:
@@ -136,8 +137,10 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    elif f"{arch}.rope.scaling.original_context_length" in meta and arch == "phi3":
-        # LongRoPE: the short and long factors are the file's rope_factors_* tensors (loader.read_gguf).
+    elif arch == "phi3" and int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0) not in (
+            0, int(key("context_length"))):
+        # LongRoPE (a context extended past the original one; Phi-3-mini-4k states both equal): the
+        # short and long factors are the file's rope_factors_* tensors (loader.read_gguf).
         scaling = {"rope_type": "longrope",
                    "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
                    "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
