@@ -298,7 +298,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
 
-    out = acc / l[:, None]
+    out = acc / tl.where(l == 0, 1.0, l)[:, None]  # padding rows past a window may see nothing
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
