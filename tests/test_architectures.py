@@ -105,12 +105,23 @@ def step_by_step(loaded, prompt: list[int], steps: int):
         yield seq, worker.scheduler.pool
 
 
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory, smollm2_path):
+def folder_and_oracle(arch: str, tmp_path_factory, smollm2_path):
     from transformers import AutoModelForCausalLM
 
-    folder = save_hf_model("mistral", str(tmp_path_factory.mktemp("mistral") / "hf"), smollm2_path)
-    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    folder = save_hf_model(arch, str(tmp_path_factory.mktemp(arch) / "hf"), smollm2_path)
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory, smollm2_path):
+    return folder_and_oracle("mistral", tmp_path_factory, smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory, smollm2_path):
+    """Sliding and global layers and both soft-caps: every new path of the attention kernels."""
+    return folder_and_oracle("gemma2", tmp_path_factory, smollm2_path)
 
 
 def test_sliding_window_frees_the_blocks_behind_every_layers_window(mistral):
@@ -133,26 +144,21 @@ def test_sliding_window_frees_the_blocks_behind_every_layers_window(mistral):
     assert seq.output_ids == greedy_transformers(oracle, prompt)
 
 
-def test_mixed_global_and_sliding_layers_keep_every_block(arch_model):
-    arch, folder, *_ = arch_model
+def test_global_layers_keep_every_block(gemma2):
+    folder, _ = gemma2
     loaded = load_model(folder, weights="float32")
-    if all(loaded.config.layer_windows):
-        pytest.skip(f"{arch}: every layer slides")
-    assert loaded.config.kv_window is None
+    assert loaded.config.layer_windows == [WINDOW, 0, WINDOW] and loaded.config.kv_window is None
     for seq, pool in step_by_step(loaded, loaded.tokenizer.encode(PROMPTS[0]), 8):
         assert FREED_BLOCK not in seq.block_table
         assert pool.num_used == len(seq.block_table)
 
 
-def test_triton_kernels_run_windows_and_softcaps_like_transformers(arch_model, monkeypatch):
-    arch, folder, _, prompts, _, oracle = arch_model
-    if arch != "gemma2":
-        pytest.skip("one model with sliding and global layers and both soft-caps is enough under the interpreter")
+def test_triton_kernels_run_windows_and_softcaps_like_transformers(gemma2, monkeypatch):
+    folder, oracle = gemma2
     monkeypatch.setenv("GPUSHARE_KERNELS", "triton")
     loaded = load_model(folder, weights="float32")
-    prompt = prompts[0]
-    steps = list(step_by_step(loaded, prompt, 4))  # prefill chunks of 8 past the window, then decodes
-    seq = steps[-1][0]
+    prompt = loaded.tokenizer.encode(PROMPTS[0])
+    seq = list(step_by_step(loaded, prompt, 4))[-1][0]  # prefill chunks of 8 past the window, then decodes
     assert seq.output_ids == greedy_transformers(oracle, prompt, 4)
 
 
