@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_check.py [--out gpu_check.txt] [--parts abcd]
 
-(a) every Triton kernel on CUDA against the torch path run on fp32 copies of the same inputs;
+(a) every Triton kernel on CUDA against the torch path run on fp32 copies of the same inputs
+    (paged attention also with a sliding window and soft-capped scores);
 (b) device copy bandwidth (one large tensor copy; read + write bytes over time);
 (c) paged decode attention at batch 64, context 4096, 32 query / 8 KV heads, head dim 128,
     bf16: time, achieved GB/s (K/V bytes read over time), fraction of (b), for a few
@@ -145,25 +146,26 @@ def part_kernels(report, results):
         same = torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
         return 0.0 if same else float("inf"), False
 
-    def decode(case, contexts):
+    def decode(case, contexts, window=0, softcap=0.0):
         dtype, block_size, head_dim, num_kv_heads, group = case
         k_cache, v_cache, tables = paged_inputs(dtype, block_size, head_dim, num_kv_heads, contexts, gen)
         lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
         q = torch.randn(len(contexts), num_kv_heads * group, head_dim, generator=gen, device=DEVICE).to(dtype)
-        out = tri_ops.decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-        ref = ref_ops.decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim ** -0.5)
+        out = tri_ops.decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window, softcap)
+        ref = ref_ops.decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, head_dim ** -0.5,
+                                       window, softcap)
         return relative_error(out, ref), bool(out.isnan().any())
 
-    def prefill(case):
+    def prefill(case, window=0, softcap=0.0):
         dtype, block_size, head_dim, num_kv_heads, group = case
         contexts, q_lens = [c for c, _ in PREFILL_SEQS], [n for _, n in PREFILL_SEQS]
         k_cache, v_cache, tables = paged_inputs(dtype, block_size, head_dim, num_kv_heads, contexts, gen)
         lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
         cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
         q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen, device=DEVICE).to(dtype)
-        out = tri_ops.prefill_attention(q, k_cache, v_cache, tables, cu, lens, head_dim ** -0.5)
+        out = tri_ops.prefill_attention(q, k_cache, v_cache, tables, cu, lens, head_dim ** -0.5, window, softcap)
         ref = ref_ops.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, cu, lens,
-                                        head_dim ** -0.5)
+                                        head_dim ** -0.5, window, softcap)
         return relative_error(out, ref), bool(out.isnan().any())
 
     for case in KERNEL_CASES:
@@ -172,6 +174,9 @@ def part_kernels(report, results):
             ("decode/direct", TOLERANCE[case[0]], lambda: decode(case, SHORT_CONTEXTS)),
             ("decode/segments", TOLERANCE[case[0]], lambda: decode(case, LONG_CONTEXTS)),
             ("prefill", TOLERANCE[case[0]], lambda: prefill(case)),
+            # Mistral's sliding window and Gemma 2's soft-capped scores (window 100: mid-segment)
+            ("decode/window", TOLERANCE[case[0]], lambda: decode(case, LONG_CONTEXTS, 100, 50.0)),
+            ("prefill/window", TOLERANCE[case[0]], lambda: prefill(case, 100, 50.0)),
         ]
         for kernel, tol, check in checks:
             try:

@@ -30,13 +30,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     return _ops(key, _attention_torch).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    return _ops(q, _attention_torch).decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    """``window`` > 0: a sliding window of that many tokens; ``softcap`` > 0: tanh-capped scores."""
+    return _ops(q, _attention_torch).decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                      window, softcap)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
     return _ops(q, _attention_torch).prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                       context_lens, scale)
+                                                       context_lens, scale, window, softcap)
 
 
 def int8_weight_matmul(x, qweight, scales):

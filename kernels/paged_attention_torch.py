@@ -19,22 +19,43 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     v_cache.index_put_(where, value.to(v_cache.dtype))
 
 
-def _gather(cache, block_tables, length, dtype):
-    """Rows ``[0, length)`` of each table's sequence: ``[B, length, Hkv, D]`` in ``dtype``, one
-    contiguous copy.
+def _gather(cache, block_tables, length, dtype, start=0):
+    """Rows ``[start, length)`` of each table's sequence: ``[B, length - start, Hkv, D]``, one copy.
 
-    ``index_select`` on whole blocks moves each block as one memcpy; fancy indexing is ~4x slower.
+    Only the blocks holding those rows are read: with a sliding window the table's earlier
+    entries may already be freed. ``index_select`` on whole blocks moves each block as one
+    memcpy; fancy indexing is ~4x slower.
     """
     num_blocks, block_size = cache.shape[:2]
     batch = block_tables.shape[0]
-    used = (length + block_size - 1) // block_size
-    ids = block_tables[:, :used].reshape(-1).long()
+    first, used = start // block_size, (length + block_size - 1) // block_size
+    ids = block_tables[:, first:used].reshape(-1).long()
     rows = cache.view(num_blocks, -1).index_select(0, ids).to(dtype)
-    return rows.view(batch, used * block_size, *cache.shape[2:])[:, :length]
+    offset = first * block_size
+    return rows.view(batch, (used - first) * block_size, *cache.shape[2:])[:, start - offset:length - offset]
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query token per sequence attends to its whole cached history.
+def _attend(q, keys, values, scale, softcap, mask=None, causal=False):
+    """Attention of ``q [1, Hq, Tq, D]`` over ``keys``/``values [1, Hkv, Tk, D]``; soft-capped scores
+    (Gemma 2) need the scores themselves, so they take the explicit float32 path."""
+    if not softcap:
+        # 4-D with a batch of one: SDPA's CPU kernel takes 3-D inputs through a path 3x slower
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1).float(), values.repeat_interleave(group, dim=1).float()
+    scores = q.float() @ keys.transpose(-1, -2) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ values).to(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    """One query token per sequence attends to its whole cached history, or with ``window`` > 0 to
+    its last ``window`` tokens (itself included); ``softcap`` > 0 caps the scores (Gemma 2).
 
     q: ``[B, Hq, D]``; block_tables: ``[B, W]`` int32; context_lens: ``[B]`` int32 (tokens
     cached, the current one included). Returns ``[B, Hq, D]``.
@@ -46,54 +67,42 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     (2.6 vs 3.8 ms a layer at 16, 10 vs 17.5 at 64; docs/benchmarks.md).
     """
     lengths = context_lens.tolist()
-    if len(lengths) == 1:
-        return _attend_one(q[0], k_cache, v_cache, block_tables[:1], lengths[0], scale)[None]
     out = torch.empty_like(q)
     for i, length in enumerate(lengths):
-        out[i] = _attend_one(q[i], k_cache, v_cache, block_tables[i:i + 1], length, scale)
+        start = max(0, length - window) if window else 0
+        keys = _gather(k_cache, block_tables[i:i + 1], length, q.dtype, start).transpose(1, 2)  # [1, Hkv, n, D]
+        values = _gather(v_cache, block_tables[i:i + 1], length, q.dtype, start).transpose(1, 2)
+        out[i] = _attend(q[i][None, :, None], keys, values, scale, softcap)[0, :, 0]
     return out
 
 
-def _attend_one(q, k_cache, v_cache, block_table, length, scale):
-    """q ``[Hq, D]`` of one sequence over its ``length`` cached keys and values."""
-    keys = _gather(k_cache, block_table, length, q.dtype).transpose(1, 2)  # [1, Hkv, length, D]
-    values = _gather(v_cache, block_table, length, q.dtype).transpose(1, 2)
-    # 4-D with a batch of one: SDPA's CPU kernel takes 3-D inputs through a path 3x slower
-    out = F.scaled_dot_product_attention(q[None, :, None], keys, values, scale=scale,
-                                         enable_gqa=q.shape[0] != k_cache.shape[2])
-    return out[0, :, 0]
-
-
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
-    """Ragged chunks of queries attend causally to their cached prefix plus themselves.
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
+    """Ragged chunks of queries attend causally to their cached prefix plus themselves (with
+    ``window`` > 0: to the last ``window`` positions up to their own); ``softcap`` as in decode.
 
     q: ``[T, Hq, D]`` with sequence ``i``'s queries at rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``;
     those are its last ``q_len`` positions of ``context_lens[i]`` (already written to the cache).
     Returns ``[T, Hq, D]``.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
     for i, length in enumerate(lengths):
         qs = q[starts[i]:starts[i + 1]]
         q_len = qs.shape[0]
-        keys = _gather(k_cache, block_tables[i:i + 1], length, q.dtype)[0]
-        values = _gather(v_cache, block_tables[i:i + 1], length, q.dtype)[0]
+        first = max(0, length - q_len - window + 1) if window else 0  # the earliest key any query sees
+        keys = _gather(k_cache, block_tables[i:i + 1], length, q.dtype, first)[0]
+        values = _gather(v_cache, block_tables[i:i + 1], length, q.dtype, first)[0]
         mask = None
-        if q_len != length:
-            # Query j sits at position length - q_len + j and may see keys up to it.
+        if q_len != length or window:
+            # Query j sits at position length - q_len + j and may see keys up to it (and, with a
+            # window, after its position - window).
             rows = torch.arange(q_len, device=q.device)[:, None] + (length - q_len)
-            mask = torch.arange(length, device=q.device)[None, :] <= rows
-        attn = F.scaled_dot_product_attention(  # 4-D, a batch of one: the fast CPU path (see _attend_one)
-            qs.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+            cols = torch.arange(first, length, device=q.device)[None, :]
+            mask = cols <= rows
+            if window:
+                mask &= cols > rows - window
+        attn = _attend(qs.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                       values.transpose(0, 1)[None], scale, softcap, mask, causal=mask is None)
         out[starts[i]:starts[i + 1]] = attn[0].transpose(0, 1)
     return out

@@ -21,6 +21,11 @@ Decode is flash-decoding: the cached length is cut into segments handled by para
 programs, each writing a partial output and its log-sum-exp; a small kernel merges them.
 When the block table is short enough for one segment, the segment kernel writes the
 output directly and the merge is skipped.
+
+Sliding windows (Mistral, Gemma 2/3) and soft-capped scores (Gemma 2) are runtime arguments: a
+window starts every K/V loop at the window's first token (earlier block-table entries may be
+freed, so they are never read), and decode segments wholly before it are skipped, as is their
+share of the merge.
 """
 
 import torch
@@ -35,7 +40,9 @@ PREFILL_ROWS = 64  # prefill: query rows (tokens x group heads) per program
 PREFILL_TILE_TOKENS = 32  # prefill: tokens per K/V load
 MIN_DOT_ROWS = 16
 
-LOG2_E = 1.4426950408889634
+# "No window" is a window longer than any context, so the kernels need no branch for it.
+NO_WINDOW = 1 << 30
+LOG2_E: tl.constexpr = 1.4426950408889634
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -44,6 +51,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Attention scores in log2 units: ``q k^T * scale``, tanh-capped at ``softcap`` when SOFTCAP."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if SOFTCAP:
+        s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # tanh, from what every Triton version has
+    return s * LOG2_E
 
 
 @triton.jit
@@ -86,23 +102,25 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
 @triton.jit
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
-    scale_log2,
+    scale, window, softcap,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_tb,
     stride_ob, stride_oh, stride_os,
     block_size, head_dim, num_heads, num_segments, segment_tokens,
     GROUP: tl.constexpr, ROWS: tl.constexpr, DIM_P2: tl.constexpr, TILE: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     seg = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + b)
     seg_start = seg * segment_tokens
-    if seg_start >= context_len:
-        return
     seg_end = tl.minimum(seg_start + segment_tokens, context_len)
+    lo = tl.maximum(context_len - window, 0)
+    if seg_start >= context_len or seg_end <= lo:  # the merge skips segments wholly out of the window
+        return
+    seg_start = tl.maximum(seg_start, lo)
 
     rows = tl.arange(0, ROWS)
     dims = tl.arange(0, DIM_P2)
@@ -125,7 +143,7 @@ def _decode_segment_kernel(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = _scores(q, k, scale, softcap, PRECISION, SOFTCAP)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -146,15 +164,17 @@ def _decode_segment_kernel(
 def _decode_merge_kernel(
     partial_ptr, lse_ptr, context_lens_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-    head_dim, num_heads, num_segments, segment_tokens,
+    head_dim, num_heads, num_segments, segment_tokens, window,
     SEGMENTS_P2: tl.constexpr, DIM_P2: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    used = tl.cdiv(tl.load(context_lens_ptr + b), segment_tokens)
+    context_len = tl.load(context_lens_ptr + b)
+    used = tl.cdiv(context_len, segment_tokens)
+    first = tl.maximum(context_len - window, 0) // segment_tokens
     segs = tl.arange(0, SEGMENTS_P2)
     dims = tl.arange(0, DIM_P2)
-    seg_ok = segs < used
+    seg_ok = (segs < used) & (segs >= first)
     dim_ok = dims < head_dim
     lse = tl.load(lse_ptr + (b * num_heads + head) * num_segments + segs, mask=seg_ok, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))
@@ -164,8 +184,9 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """One query token per sequence attends to its whole cached history.
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    """One query token per sequence attends to its whole cached history, or with ``window`` > 0 to
+    its last ``window`` tokens (itself included); ``softcap`` > 0 caps the scores (Gemma 2).
 
     q: ``[B, Hq, D]``; block_tables: ``[B, W]`` int32; context_lens: ``[B]`` int32 (tokens
     cached, the current one included). Returns ``[B, Hq, D]``. The segment count comes from
@@ -174,6 +195,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    window = window or NO_WINDOW
     assert SEGMENT_TOKENS % DECODE_TILE_TOKENS == 0
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
@@ -194,20 +216,20 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     dim_p2 = triton.next_power_of_2(head_dim)
     _decode_segment_kernel[(batch, num_kv_heads, num_segments)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse,
-        scale * LOG2_E,
+        scale, window, softcap,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *partial_strides,
         block_size, head_dim, num_heads, num_segments, segment,
         GROUP=group, ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), DIM_P2=dim_p2, TILE=tile,
-        DIRECT=direct, PRECISION=_dot_precision(q.dtype),
+        DIRECT=direct, PRECISION=_dot_precision(q.dtype), SOFTCAP=softcap > 0,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             partial, lse, context_lens, out,
             partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
-            head_dim, num_heads, num_segments, segment,
+            head_dim, num_heads, num_segments, segment, window,
             SEGMENTS_P2=triton.next_power_of_2(num_segments), DIM_P2=dim_p2,
         )
     return out
@@ -216,13 +238,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
-    scale_log2,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_tb,
     block_size, head_dim,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TOKENS: tl.constexpr, DIM_P2: tl.constexpr,
-    TILE: tl.constexpr, PRECISION: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -253,7 +275,8 @@ def _prefill_kernel(
     m = tl.full([TOKENS * GROUP_P2], float("-inf"), tl.float32)
     l = tl.zeros([TOKENS * GROUP_P2], tl.float32)
     acc = tl.zeros([TOKENS * GROUP_P2, DIM_P2], tl.float32)
-    for start in range(0, kv_end, TILE):
+    kv_start = tl.maximum(prefix_len + first - window + 1, 0)
+    for start in range(kv_start, kv_end, TILE):
         tokens = start + tl.arange(0, TILE)
         tok_ok = tokens < kv_end
         blocks = tl.load(table + tokens // block_size, mask=tok_ok, other=0).to(tl.int64)
@@ -262,23 +285,27 @@ def _prefill_kernel(
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        visible = (tokens[None, :] <= positions[:, None]) & tok_ok[None, :]
+        s = _scores(q, k, scale, softcap, PRECISION, SOFTCAP)
+        visible = (tokens[None, :] <= positions[:, None]) & (tokens[None, :] > positions[:, None] - window)
+        visible = visible & tok_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row may see nothing in this tile yet (its window starts later): keep its sums at zero.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
 
-    out = acc / l[:, None]
+    out = acc / tl.where(l == 0, 1.0, l)[:, None]  # padding rows past a window may see nothing
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
-    """Ragged chunks of queries attend causally to their cached prefix plus themselves.
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
+    """Ragged chunks of queries attend causally to their cached prefix plus themselves (with
+    ``window`` > 0: to the last ``window`` positions up to their own); ``softcap`` as in decode.
 
     q: ``[T, Hq, D]`` with sequence ``i``'s queries at rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``;
     those are its last ``q_len`` positions of ``context_lens[i]`` (already written to the cache).
@@ -288,6 +315,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    window = window or NO_WINDOW
     q = _last_dim_contiguous(q)
     batch = cu_seqlens_q.shape[0] - 1
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -300,13 +328,13 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
     grid = (triton.cdiv(num_tokens, tokens_per_program), batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
-        scale * LOG2_E,
+        scale, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         block_size, head_dim,
         GROUP=group, GROUP_P2=group_p2, TOKENS=tokens_per_program, DIM_P2=dim_p2,
-        TILE=PREFILL_TILE_TOKENS, PRECISION=_dot_precision(q.dtype),
+        TILE=PREFILL_TILE_TOKENS, PRECISION=_dot_precision(q.dtype), SOFTCAP=softcap > 0,
         num_warps=8 if dim_p2 >= 128 else 4,
     )
     return out

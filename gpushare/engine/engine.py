@@ -124,7 +124,8 @@ class Engine:
                 raise ValueError(f"model {name!r} is already loaded")
             per_block = kv_bytes_per_block(loaded.config, self.config.block_size, self.kv_dtype)
             pool = BlockPool(self.kv_pool, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
-            scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                  loaded.config.kv_window)
             scheduler.borrow = self._borrow
             runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
                                                                          self.kv_dtype))

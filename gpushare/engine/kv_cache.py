@@ -19,6 +19,19 @@ from gpushare.engine.kv_pool import DeviceKVPool
 from gpushare.engine.tenants import TenantLedger
 
 
+# A block-table entry whose block was given back because it fell out of every layer's sliding window;
+# later entries keep their index (token t stays in entry t // block_size).
+FREED_BLOCK = -1
+
+
+def blocks_out_of_window(num_computed: int, block_size: int, window: int | None) -> int:
+    """How many leading blocks of a sequence no later token can attend to: the next token sits at
+    ``num_computed`` and sees keys after ``num_computed - window``. 0 without a window."""
+    if not window:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
 class KVCacheBusy(RuntimeError):
     """The blocks a request needs now are held by requests it may not preempt."""
 
@@ -192,6 +205,8 @@ class BlockPool:
     def release(self, block_table: list[int], tenant: str = "default") -> None:
         counter = self.held.get(tenant, Counter())
         for block in block_table:
+            if block == FREED_BLOCK:
+                continue
             counter[block] -= 1
             if counter[block] == 0:
                 del counter[block]
@@ -207,6 +222,12 @@ class BlockPool:
                     self.slab_free[slab].append(block)
                     self._return_if_empty(slab)
         block_table.clear()
+
+    def free_leading(self, block_table: list[int], count: int, tenant: str = "default") -> None:
+        """Give back the first ``count`` blocks of ``block_table`` (out of every layer's window),
+        leaving FREED_BLOCK in their entries; a cached block stays reusable as a prefix."""
+        self.release([b for b in block_table[:count] if b != FREED_BLOCK], tenant)
+        block_table[:count] = [FREED_BLOCK] * min(count, len(block_table))
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _scope(self, tenant: str) -> str | None:
@@ -248,7 +269,7 @@ class BlockPool:
             key = block_hash(previous, scope, tokens[i * self.block_size:(i + 1) * self.block_size])
             seq.block_keys.append(key)
             block = seq.block_table[i]
-            if key not in self.cached and block not in self.block_keys:
+            if block != FREED_BLOCK and key not in self.cached and block not in self.block_keys:
                 self.cached[key] = block
                 self.block_keys[block] = key
 

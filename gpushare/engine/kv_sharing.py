@@ -12,6 +12,7 @@ A model idle for ``idle_release_s`` drops its cached prefix blocks, which gives 
 
 from __future__ import annotations
 
+from gpushare.engine.kv_cache import FREED_BLOCK
 from gpushare.engine.scheduler import Scheduler
 
 
@@ -43,7 +44,8 @@ def _victim_freeing_a_slab(lender: Scheduler):
     holders: dict[int, dict[int, object]] = {}  # slab -> {sequence id: sequence}
     for seq in lender.running:
         for block in seq.block_table:
-            holders.setdefault(pool.slab_of(block), {})[id(seq)] = seq
+            if block != FREED_BLOCK:  # out of a sliding window, already given back
+                holders.setdefault(pool.slab_of(block), {})[id(seq)] = seq
     slabs = [h for h in holders.values() if all(pool.over_reservation(seq.tenant) for seq in h.values())]
     if not slabs:
         return None

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gpushare.engine.kv_cache import BlockPool
+from gpushare.engine.kv_cache import BlockPool, blocks_out_of_window
 from gpushare.engine.sequence import Sequence, Status
 
 
@@ -31,8 +31,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, kv_window: int | None = None):
         self.pool = pool
+        self.kv_window = kv_window  # every layer slides (ModelConfig.kv_window): blocks behind it are freed
         self.ledger = pool.ledger
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -144,10 +145,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def after_step(self, batch: Batch) -> None:
-        """Charge computed tokens to tenants and publish newly filled blocks to the prefix cache."""
+        """Charge computed tokens to tenants, publish newly filled blocks to the prefix cache, and free
+        the blocks that fell out of every layer's sliding window."""
         for seq, chunk in zip(batch.seqs, batch.chunks):
             self.ledger.count_computed(seq.tenant, chunk)
             self.pool.register_full_blocks(seq)
+            out = blocks_out_of_window(seq.num_computed, self.pool.block_size, self.kv_window)
+            if out:
+                self.pool.free_leading(seq.block_table, out, seq.tenant)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and give its blocks back."""

@@ -23,12 +23,19 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused already
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attn_output_norm",  # Gemma 2/3 (llama.cpp stores its norms with the 1 added)
+    "post_ffw_norm": "mlp_output_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
+    "rope_factors_long.weight": "rope_factors_long",
+    "rope_factors_short.weight": "rope_factors_short",
 }
 
 
@@ -49,12 +56,14 @@ def open_gguf(path: str) -> tuple[dict, list]:
         raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, gate_up_fused: bool = False) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        # Phi-3's ffn_up holds gate and up stacked, gate first, as our fused module does.
+        layer_name = "mlp.gate_up_proj" if gate_up_fused and parts[2] == "ffn_up" else _LAYER_NAMES[parts[2]]
+        return f"model.layers.{parts[1]}.{layer_name}.{parts[3]}"
     return None
 
 
@@ -88,7 +97,7 @@ def _convert(tensor, name: str, shape: list[int], weights: str):
 
 
 def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,
-                 weights: str = "float32") -> dict:
+                 weights: str = "float32", gate_up_fused: bool = False) -> dict:
     """Every known tensor, in numpy (row-major, HF) shape order: float32, or for ``weights`` int8 /
     int4 the linear weights quantized as they are read (gpushare.models.weight_format).
 
@@ -97,7 +106,7 @@ def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, pe
     total = sum(int(t.n_bytes) for t in tensors)
     done, state = 0, {}
     for tensor in tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, gate_up_fused)
         if name is None:
             continue
         shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists dims fastest-first

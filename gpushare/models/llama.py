@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The one transformer every supported architecture runs as (Llama 2/3, Mistral, Qwen2/3, SmolLM2,
+Gemma 1/2/3, Phi-3) over a paged KV cache; ``ModelConfig``'s features say what differs.
 
 Tokens of a batch are flattened into one ``[T, hidden]`` matrix: prefill chunks first, then
 single-token decodes. ``AttentionBatch`` says which rows belong to which sequence and where
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpushare import kernels
-from gpushare.models.config import ModelConfig
+from gpushare.models.config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
 from gpushare.models.quantized import stack_rows
 
@@ -38,6 +39,8 @@ class ForwardState:
     sin: torch.Tensor
     batch: AttentionBatch
     next_layer: int = 0
+    cos_local: torch.Tensor | None = None  # sliding layers' own RoPE (Gemma 3), else None
+    sin_local: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -50,11 +53,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the global layers' RoPE, or (``local``) the sliding layers' own unscaled
+    one; ``long`` picks LongRoPE's factors for positions past the original context."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
+    theta = config.rope_theta_local if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else config.rope_scaling
+    kind = rope_type(scaling)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -65,19 +71,41 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    elif kind not in (None, "default"):
-        raise ValueError(f"unsupported rope scaling {kind!r}")
+    elif kind == "longrope":
+        name = "long_factor" if long else "short_factor"
+        factors = torch.as_tensor(scaling.get(name) or [], dtype=torch.float64).flatten()
+        if factors.numel() != dim // 2:
+            raise ValueError(f"longrope {name} has {factors.numel()} entries, the head needs {dim // 2}")
+        inv_freq = inv_freq / factors
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     return inv_freq
 
 
-def rope_table(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """cos and sin for every position, ``[context, 2, head_dim]`` float32."""
-    inv_freq = rope_inv_freq(config)
-    if rope_freqs is not None:  # GGUF's llama3 scaling ships the per-frequency divisors
-        inv_freq = inv_freq / rope_freqs.double()
-    angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64), inv_freq)
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    angles = torch.outer(positions.double(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()], dim=1).float()
+    return (torch.stack([angles.cos(), angles.sin()], dim=1) * factor).float()
+
+
+def rope_table(config: ModelConfig, rope_freqs: torch.Tensor | None = None, local: bool = False) -> torch.Tensor:
+    """cos and sin for every position, ``[context, 2, head_dim]`` float32.
+
+    LongRoPE (Phi-3): positions within the original context use the short factors, later ones the
+    long factors, all times its attention factor. transformers switches every position to the long
+    factors once a sequence passes the original context, which a KV cache cannot follow without
+    recomputing; up to the original context the two agree exactly.
+    """
+    positions = torch.arange(config.context_length)
+    if rope_type(config.rope_scaling) == "longrope" and not local:
+        original = config.rope_scaling["original_max_position_embeddings"]
+        factor = longrope_attention_factor(config.rope_scaling, config.context_length)
+        return torch.cat([_cos_sin(positions[:original], rope_inv_freq(config), factor),
+                          _cos_sin(positions[original:], rope_inv_freq(config, long=True), factor)])
+    inv_freq = rope_inv_freq(config, local)
+    if rope_freqs is not None and not local:  # GGUF's llama3 scaling ships the per-frequency divisors
+        inv_freq = inv_freq / rope_freqs.double()
+    return _cos_sin(positions, inv_freq)
 
 
 def apply_rope(x, cos, sin):
@@ -88,19 +116,28 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.query_scale or self.head_dim ** -0.5
+        self.softcap = config.attn_softcap or 0.0
+        self.window = config.layer_windows[layer]
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
@@ -108,10 +145,11 @@ class Attention(nn.Module):
         parts = []
         if p:
             parts.append(kernels.prefill_attention(q[:p], k_cache, v_cache, batch.prefill_block_tables,
-                                                   batch.prefill_cu_seqlens, batch.prefill_context_lens, self.scale))
+                                                   batch.prefill_cu_seqlens, batch.prefill_context_lens, self.scale,
+                                                   self.window, self.softcap))
         if p < q.shape[0]:
             parts.append(kernels.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
-                                                  batch.decode_context_lens, self.scale))
+                                                  batch.decode_context_lens, self.scale, self.window, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -121,23 +159,40 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = config.hidden_act
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # the MLP's input norm
         self.mlp = MLP(config)
+        self.sandwich_norm = config.sandwich_norm
+        if config.sandwich_norm:
+            self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.local_rope = bool(config.rope_theta_local and self.self_attn.window)
 
-    def forward(self, x, cos, sin, kv_cache, batch):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, state: "ForwardState", kv_cache):
+        cos, sin = (state.cos_local, state.sin_local) if self.local_rope else (state.cos, state.sin)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, state.batch)
+        if self.sandwich_norm:
+            h = self.attn_output_norm(h)
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.sandwich_norm:
+            h = self.mlp_output_norm(h)
+        return x + h
 
 
 class LlamaModel(nn.Module):
@@ -145,10 +200,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embedding_scale = config.hidden_size ** 0.5 if config.scale_embeddings else None
         self.register_buffer("rope", rope_table(config), persistent=False)
+        self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
+                             persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
@@ -161,8 +219,14 @@ class LlamaModel(nn.Module):
     def start(self, input_ids, positions, batch: AttentionBatch) -> "ForwardState":
         """A forward pass ready to run its first layer."""
         x = self.embed_tokens(input_ids, self.norm.weight.dtype)
+        if self.embedding_scale is not None:  # in the activations' dtype, as transformers rounds it
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         cos_sin = self.rope[positions].to(x.dtype)
-        return ForwardState(x, cos_sin[:, 0, None, :], cos_sin[:, 1, None, :], batch)
+        state = ForwardState(x, cos_sin[:, 0, None, :], cos_sin[:, 1, None, :], batch)
+        if self.rope_local is not None:
+            local = self.rope_local[positions].to(x.dtype)
+            state.cos_local, state.sin_local = local[:, 0, None, :], local[:, 1, None, :]
+        return state
 
     @torch.inference_mode()
     def run_layers(self, state: "ForwardState", kv_caches, should_pause=None) -> bool:
@@ -173,7 +237,7 @@ class LlamaModel(nn.Module):
         """
         while state.next_layer < len(self.layers):
             i = state.next_layer
-            state.x = self.layers[i](state.x, state.cos, state.sin, kv_caches[i], state.batch)
+            state.x = self.layers[i](state.x, state, kv_caches[i])
             state.next_layer = i + 1
             if should_pause is not None and state.next_layer < len(self.layers) and should_pause():
                 return False
@@ -185,7 +249,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden):
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def fuse_hf_state_dict(state: dict, config: ModelConfig) -> dict:
@@ -206,8 +272,9 @@ def fuse_hf_state_dict(state: dict, config: ModelConfig) -> dict:
             parts = [state.get(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"]
             if all(t is not None for t in parts):
                 out[f"layers.{i}.self_attn.qkv_proj.{suffix}"] = stack_rows(parts)
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = stack_rows(
-            [state[f"{p}.mlp.gate_proj.weight"], state[f"{p}.mlp.up_proj.weight"]])
+        gate, up = state.get(f"{p}.mlp.gate_proj.weight"), state.get(f"{p}.mlp.up_proj.weight")
+        if gate is not None and up is not None:  # Phi-3 ships them fused already
+            out[f"layers.{i}.mlp.gate_up_proj.weight"] = stack_rows([gate, up])
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -231,6 +298,11 @@ def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: st
     unexpected = set(fused) - expected
     if unexpected:
         raise ValueError(f"unexpected weights {sorted(unexpected)[:5]}")
+    shapes = model.state_dict()
+    for name, value in fused.items():
+        if tuple(value.shape) != tuple(shapes[name].shape):
+            raise ValueError(f"weight {name} has shape {list(value.shape)}, the model's config needs "
+                             f"{list(shapes[name].shape)}")
     tied = fused["lm_head.weight"] is fused["embed_tokens.weight"]
     for name, module in model.named_modules():
         if not isinstance(module, Linear):
@@ -253,6 +325,8 @@ def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: st
         model.embed_tokens.weight = nn.Parameter(dense.to(device=device, dtype=dtype), requires_grad=False)
     model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, strict=False, assign=True)
     model.rope = rope_table(config, state.get("rope_freqs")).to(device)
+    if config.rope_theta_local:
+        model.rope_local = rope_table(config, local=True).to(device)
     return model.eval()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from gpushare.models import chat_template
 from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.models.hf_names import hf_tensor, text_model_name
 from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
@@ -17,7 +18,8 @@ from gpushare.models.weight_format import DENSE_FORMATS, quantize, resolve_weigh
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Chat models end a turn with one of these even when the metadata names another EOS.
-_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>")
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
+                    "<|end|>")
 
 
 @dataclass
@@ -55,10 +57,13 @@ def resolve_dtype(dtype) -> torch.dtype:
 
 
 def _stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
+    """The given ids, the EOS, and every turn-end marker the vocabulary holds as a whole token: a
+    special one, or an added (user-defined) one as Gemma's ``<end_of_turn>`` is in its GGUF files."""
     ids = {i for i in extra_ids if i is not None}
+    whole = tokenizer.special_ids | set(tokenizer.hf.get_added_tokens_decoder())
     for token in (tokenizer.eos_token, *_TURN_END_TOKENS):
         if token is not None and tokenizer.token_to_id(token) is not None and (
-            token == tokenizer.eos_token or tokenizer.token_to_id(token) in tokenizer.special_ids
+            token == tokenizer.eos_token or tokenizer.token_to_id(token) in whole
         ):
             ids.add(tokenizer.token_to_id(token))
     return ids
@@ -72,7 +77,11 @@ def read_gguf(path: str, progress=None, weights: str = "float32", device: str = 
     config = config_from_gguf(meta)
     weights = resolve_weights(weights, device, _matrix_types(tensors))
     state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
-                         progress=progress, weights=weights)
+                         progress=progress, weights=weights, gate_up_fused=config.arch == "phi3")
+    for which in ("short", "long"):  # LongRoPE's factors travel as tensors in GGUF
+        factors = state.pop(f"rope_factors_{which}", None)
+        if factors is not None:
+            config.rope_scaling[f"{which}_factor"] = factors.flatten().tolist()
     config.tie_word_embeddings = "lm_head.weight" not in state
     tokenizer = tokenizer_from_gguf(meta)
     stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
@@ -139,8 +148,11 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     for f in files:
         try:
             with safe_open(f, "pt") as tensors:
-                for name in tensors.keys():
-                    dense = tensors.get_tensor(name).float()
+                for hf_name in tensors.keys():
+                    name = text_model_name(hf_name)
+                    if name is None:
+                        continue
+                    name, dense = hf_tensor(name, tensors.get_tensor(hf_name).float(), config)
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
@@ -153,9 +165,18 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     template_file = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(template_file):
         template = open(template_file).read()
-    eos = raw.get("eos_token_id")
-    stop = _stop_ids(tokenizer, eos if isinstance(eos, list) else [eos])
+    stop = _stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
     return config, state, tokenizer, template, stop, _hf_info(path, raw, config, weights)
+
+
+def _ids(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _generation_config(path: str) -> dict:
+    """generation_config.json: where chat models (Phi-3, Llama 3) list their turn-end ids too."""
+    file = os.path.join(path, "generation_config.json")
+    return json.load(open(file)) if os.path.isfile(file) else {}
 
 
 def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, weights: str = "auto") -> LoadedModel:

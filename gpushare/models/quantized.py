@@ -11,13 +11,16 @@ in ``gpushare.kernels`` take:
 - ``Int4Weight``: ``qweight`` uint8 ``[N, K // 2]`` (k = 2j in the low nibble of byte j,
   k = 2j + 1 in the high one), ``scales`` and ``mins`` float32 ``[N, K // group_size]``;
   ``w[n, k] = q[n, k] * scales[n, k // g] + mins[n, k // g]``. GGUF's Q4_0 and Q4_1 blocks map
-  onto it exactly (group 32), so a 4-bit file loads as int4 with no rounding at all.
+  onto it exactly (group 32), and so do Q4_K's groups, so a 4-bit file loads as int4 with no
+  rounding at all.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from gpushare.models.dequant import k_scales, shifted
 
 INT4_GROUP_SIZE = 32  # GGUF's block: Q4_0/Q4_1 convert exactly at this size
 
@@ -85,12 +88,16 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def int4_from_gguf(raw: np.ndarray, type_name: str, shape: list[int]) -> Int4Weight | None:
-    """Q4_0 / Q4_1 blocks as an Int4Weight, bit for bit; None for other block types.
+    """Q4_0 / Q4_1 / Q4_K blocks as an Int4Weight, bit for bit; None for other block types.
 
-    A block is 32 weights of one row: an fp16 scale d (and for Q4_1 an fp16 min m), then 16
-    bytes holding weight j in the low nibble of byte j and weight j + 16 in its high nibble.
-    Q4_1: ``w = d * q + m``; Q4_0: ``w = d * (q - 8)``, i.e. min ``-8 d``.
+    Q4_0/Q4_1: a block is 32 weights of one row: an fp16 scale d (and for Q4_1 an fp16 min m), then
+    16 bytes holding weight j in the low nibble of byte j and weight j + 16 in its high nibble.
+    Q4_1: ``w = d * q + m``; Q4_0: ``w = d * (q - 8)``, i.e. min ``-8 d``. Q4_K: a super-block of
+    256 weights is eight groups of 32 with 6-bit scales and mins under fp16 d and dmin:
+    ``w = (d * sc) * q - (dmin * m)``, a group scale and min as float32 products, as ggml computes.
     """
+    if type_name == "Q4_K":
+        return _int4_from_q4_k(raw, shape)
     if type_name not in ("Q4_0", "Q4_1"):
         return None
     head = 4 if type_name == "Q4_1" else 2
@@ -101,6 +108,18 @@ def int4_from_gguf(raw: np.ndarray, type_name: str, shape: list[int]) -> Int4Wei
     qs = blocks[:, head:]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=1).reshape(n, k)  # ggml's order: j, then j + 16
     return Int4Weight(_pack_nibbles(q), d.contiguous(), m.contiguous(), 32)
+
+
+def _int4_from_q4_k(raw: np.ndarray, shape: list[int]) -> Int4Weight:
+    n, k = shape
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, 144))
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    sc, mins = k_scales(blocks[:, 4:16])
+    scales = (d * sc.float()).reshape(n, k // 32)
+    neg_mins = -(dmin * mins.float()).reshape(n, k // 32)
+    q = shifted(blocks[:, 16:], 32, [0, 4], 0x0F).reshape(n, k)  # groups of 32 in order
+    return Int4Weight(_pack_nibbles(q), scales.contiguous(), neg_mins.contiguous(), 32)
 
 
 def stack_rows(parts: list) -> torch.Tensor | QuantizedWeight:
