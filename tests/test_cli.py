@@ -95,6 +95,14 @@ def test_run_with_a_prompt_answers_as_the_offline_llm(daemon, served_llm):
     assert r.stdout == expected.text + "\n"
 
 
+def test_run_format_json_answers_json(daemon):
+    # as `ollama run --format json`: constrained decoding makes even this small model's answer JSON
+    r = gpushare(daemon, "run", MODEL, "List two colours as JSON.", "--format", "json", "--temperature", "0",
+                 "--max-tokens", "200")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), dict)
+
+
 def test_run_reads_piped_stdin(daemon, served_llm):
     expected = served_llm.chat([{"role": "user", "content": "Summarise:\n\nThe cat sat on the mat.\n"}],
                         SamplingParams(temperature=0, max_tokens=8))[0]
