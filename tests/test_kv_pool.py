@@ -9,6 +9,7 @@ import torch
 from daemon_fixture import MODEL, http, serving
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block
 from test_engine import PROMPTS, chat_ids
 from test_oracle import NEW_TOKENS
@@ -183,3 +184,30 @@ def test_a_prompt_the_whole_pool_cannot_hold_is_a_400_naming_the_sizes(tmp_path,
         status, body, _ = http("POST", daemon.url + "/api/generate", {**short, "prompt": "word " * 40})
         assert status == 400
         assert "more than this model's KV cache holds (32 tokens; raise memory.kv_budget)" in body["error"]
+
+
+def small_pool(num_blocks: int) -> BlockPool:
+    """A pool of ``num_blocks`` blocks of 4 tokens (64 bytes each), one block a slab."""
+    return BlockPool(DeviceKVPool(num_blocks * 64, "cpu", slab_blocks=1), block_size=4, block_bytes=64)
+
+
+def test_n_answers_share_the_full_blocks_and_copy_the_partial_one():
+    pool = small_pool(8)
+    table: list[int] = []
+    assert pool.grow(table, 10) is None  # 2 full blocks + a partial one
+    shared, copy = pool.share(table, 10, "default")
+    assert shared[:2] == table[:2] and shared[2] != table[2] and copy == (table[2], shared[2])
+    assert pool.num_used == 4 and [pool.ref_counts[b] for b in table] == [2, 2, 1]
+    exact, no_copy = pool.share(table[:2], 8, "default")  # no partial block: nothing to copy
+    assert exact == table[:2] and no_copy is None
+    for t in (table, shared, exact):
+        pool.release(t)
+    assert pool.num_used == 0 and pool.num_free == 8
+
+
+def test_n_answers_are_refused_a_share_when_no_block_is_free():
+    pool = small_pool(3)
+    table: list[int] = []
+    assert pool.grow(table, 10) is None
+    assert pool.share(table, 10, "default") is None
+    assert [pool.ref_counts[b] for b in table] == [1, 1, 1] and pool.num_used == 3  # nothing taken on refusal

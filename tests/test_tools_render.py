@@ -7,8 +7,6 @@ import json
 import pytest
 
 from gpushare.api.tools import (ReplyFilter, ToolSpec, parse_calls, render_messages, template_handles_tools)
-from gpushare.engine.kv_cache import BlockPool, share_blocks
-from gpushare.engine.kv_pool import DeviceKVPool
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import LoadedModel
 from gpushare.models.tokenizer import tokenizer_from_gguf
@@ -100,30 +98,3 @@ def test_reply_filter_streams_text_and_holds_calls():
     assert tagged.feed("<tool") == "" and tagged.feed("kit is") == "<toolkit is"
     json_text = ReplyFilter(ToolSpec([WEATHER]))
     assert json_text.feed('{"a": 1}') == "" and json_text.finish() == ('{"a": 1}', None)
-
-
-def small_pool(num_blocks: int) -> BlockPool:
-    """A pool of ``num_blocks`` blocks of 4 tokens (64 bytes each), one block a slab."""
-    return BlockPool(DeviceKVPool(num_blocks * 64, "cpu", slab_blocks=1), block_size=4, block_bytes=64)
-
-
-def test_share_blocks_shares_full_blocks_and_copies_the_partial_one():
-    pool = small_pool(8)
-    table: list[int] = []
-    assert pool.grow(table, 10) is None  # 2 full blocks + a partial one
-    shared, copy = share_blocks(pool, table, 10, "default")
-    assert shared[:2] == table[:2] and shared[2] != table[2] and copy == (table[2], shared[2])
-    assert pool.num_used == 4 and [pool.ref_counts[b] for b in table] == [2, 2, 1]
-    exact, no_copy = share_blocks(pool, table[:2], 8, "default")  # no partial block: nothing to copy
-    assert exact == table[:2] and no_copy is None
-    for t in (table, shared, exact):
-        pool.release(t)
-    assert pool.num_used == 0 and pool.num_free == 8
-
-
-def test_share_blocks_refuses_when_no_block_is_free():
-    pool = small_pool(3)
-    table: list[int] = []
-    assert pool.grow(table, 10) is None
-    assert share_blocks(pool, table, 10, "default") is None
-    assert [pool.ref_counts[b] for b in table] == [1, 1, 1] and pool.num_used == 3  # nothing taken on refusal

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from gpushare.engine.kv_cache import BlockPool, share_blocks
+from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sequence import Sequence, Status
 
 SEED_MASK = (1 << 64) - 1
@@ -35,7 +35,7 @@ def fork(seq: Sequence, pool: BlockPool, copy_block) -> list[Sequence]:
             matcher=seq.matcher.deep_copy() if seq.matcher is not None else None,
             generator=(torch.Generator().manual_seed((seq.params.seed + index) & SEED_MASK)
                        if seq.params.seed is not None else None))
-        shared = share_blocks(pool, seq.block_table, seq.num_computed, seq.tenant)
+        shared = pool.share(seq.block_table, seq.num_computed, seq.tenant)
         if shared is None:
             child.num_computed = child.num_cached = 0
             child.block_keys = []

@@ -229,6 +229,28 @@ class BlockPool:
         self.release([b for b in block_table[:count] if b != FREED_BLOCK], tenant)
         block_table[:count] = [FREED_BLOCK] * min(count, len(block_table))
 
+    def share(self, block_table: list[int], num_tokens: int, tenant: str
+              ) -> tuple[list[int], tuple[int, int] | None] | None:
+        """A block table for a copy of a sequence (one of ``n`` answers) whose first ``num_tokens``
+        tokens are in ``block_table``: its full blocks shared by reference count (blocks already out
+        of a sliding window stay FREED_BLOCK), its partial last block (the copy writes into it) a
+        fresh block. Returns (table, (source, destination) block pair to copy, or None), or None when
+        no block is free for the copy."""
+        full = num_tokens // self.block_size
+        partial = len(block_table[:self.blocks_for(num_tokens)]) > full
+        if partial and self.can_take(tenant, 1) is not None:
+            return None
+        table = list(block_table[:full])
+        for block in table:
+            if block != FREED_BLOCK:
+                self._hold(tenant, block)
+        if not partial:
+            return table, None
+        fresh = self._take_block()
+        self._hold(tenant, fresh)
+        table.append(fresh)
+        return table, (block_table[full], fresh)
+
     # ---- prefix cache ----------------------------------------------------------------------
     def _scope(self, tenant: str) -> str | None:
         return None if self.prefix_scope == "off" else (tenant if self.prefix_scope == "tenant" else "")
@@ -272,25 +294,3 @@ class BlockPool:
             if block != FREED_BLOCK and key not in self.cached and block not in self.block_keys:
                 self.cached[key] = block
                 self.block_keys[block] = key
-
-
-# ---- n answers to one prompt ----------------------------------------------------------------
-def share_blocks(pool: BlockPool, block_table: list[int], num_tokens: int, tenant: str
-                 ) -> tuple[list[int], tuple[int, int] | None] | None:
-    """A block table for a copy of a sequence whose first ``num_tokens`` tokens are in ``block_table``:
-    its full blocks shared by reference count, its partial last block (the copy writes into it)
-    a fresh block. Returns (table, (source, destination) block pair to copy, or None), or None when
-    no block is free for the copy."""
-    full = num_tokens // pool.block_size
-    partial = len(block_table[:pool.blocks_for(num_tokens)]) > full
-    if partial and pool.can_take(tenant, 1) is not None:
-        return None
-    table = list(block_table[:full])
-    for block in table:
-        pool._hold(tenant, block)
-    if not partial:
-        return table, None
-    fresh = pool._take_block()
-    pool._hold(tenant, fresh)
-    table.append(fresh)
-    return table, (block_table[full], fresh)
