@@ -48,8 +48,6 @@ FEATURES = [  # (feature, schema, a valid instance, an invalid one)
 
 def token_bytes(tokenizer) -> list[bytes]:
     """Each token id's bytes (GPT-2 byte-level BPE strings mapped back to bytes)."""
-    from tokenizers.decoders import ByteLevel  # noqa: F401  (the alphabet below is GPT-2's)
-
     chars = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     codes = chars[:]
     extra = 0

@@ -34,7 +34,7 @@ BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
 DEVICES = ("auto", "cpu", "cuda")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # as gpushare.engine.kv_pool
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # as gpushare.engine.kv_pool
 
 
 @dataclass
@@ -200,7 +200,10 @@ def _read_engine(raw: Any) -> EngineSettings:
     if "kv_dtype" in d:
         e.kv_dtype = choice(d["kv_dtype"], KV_DTYPES, "engine.kv_dtype")
         if e.kv_dtype == "float16" and e.device == "cpu":
-            raise ConfigError("engine.kv_dtype: float16 is for GPUs; with engine.device cpu use bfloat16 or float32")
+            raise ConfigError("engine.kv_dtype: float16 is for GPUs; with engine.device cpu use bfloat16, int8 or float32")
+        if e.kv_dtype == "int8" and e.device == "cuda":
+            raise ConfigError("engine.kv_dtype: int8 runs on the CPU only; with engine.device cuda use bfloat16, "
+                              "float16 or float32")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_threads"):
         if d.get(name) is not None:
             setattr(e, name, positive_int(d[name], f"engine.{name}"))

@@ -5,18 +5,42 @@ Cache layout (shared with the Triton kernels): ``k_cache`` and ``v_cache`` are
 further apart (the device pool stores every layer of a block together). A sequence's token ``t``
 lives in block ``block_table[t // block_size]`` at offset ``t % block_size``. The cache may be
 stored in a narrower dtype than the queries; keys and values are widened as they are gathered.
+An ``Int8KV`` cache (CPU only) keeps int8 values with one float32 scale per token and KV head.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class Int8KV:
+    """One layer's K (or V) cache in int8: ``data [num_blocks, block_size, Hkv, D]`` and, per token
+    and head, ``scale [num_blocks, block_size, Hkv]`` (symmetric: value = data * scale)."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+def _store(cache, where, rows) -> None:
+    if isinstance(cache, Int8KV):
+        scale = rows.float().abs().amax(dim=-1).clamp_min(1e-12) / 127
+        cache.data.index_put_(where, torch.round(rows.float() / scale[..., None]).to(torch.int8))
+        cache.scale.index_put_(where, scale)
+    else:
+        cache.index_put_(where, rows.to(cache.dtype))
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     """Write new K/V rows ``[T, Hkv, D]`` into flat slots ``block * block_size + offset``."""
     block_size = k_cache.shape[1]
     where = (slot_mapping // block_size, slot_mapping % block_size)
-    k_cache.index_put_(where, key.to(k_cache.dtype))
-    v_cache.index_put_(where, value.to(v_cache.dtype))
+    _store(k_cache, where, key)
+    _store(v_cache, where, value)
 
 
 def _gather(cache, block_tables, length, dtype, start=0):
@@ -30,9 +54,14 @@ def _gather(cache, block_tables, length, dtype, start=0):
     batch = block_tables.shape[0]
     first, used = start // block_size, (length + block_size - 1) // block_size
     ids = block_tables[:, first:used].reshape(-1).long()
-    rows = cache.view(num_blocks, -1).index_select(0, ids).to(dtype)
+    shape = (batch, (used - first) * block_size, *cache.shape[2:])
+    if isinstance(cache, Int8KV):
+        rows = cache.data.view(num_blocks, -1).index_select(0, ids).to(dtype).view(shape)
+        rows *= cache.scale.view(num_blocks, -1).index_select(0, ids).to(dtype).view(*shape[:3], 1)
+    else:
+        rows = cache.view(num_blocks, -1).index_select(0, ids).to(dtype).view(shape)
     offset = first * block_size
-    return rows.view(batch, (used - first) * block_size, *cache.shape[2:])[:, start - offset:length - offset]
+    return rows[:, start - offset:length - offset]
 
 
 def _attend(q, keys, values, scale, softcap, mask=None, causal=False):

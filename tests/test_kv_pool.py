@@ -165,6 +165,8 @@ def test_auto_kv_dtype_is_float32_on_the_cpu_and_bfloat16_on_a_gpu():
     assert resolve_kv_dtype("auto", "cuda:0") == torch.bfloat16
     with pytest.raises(ValueError, match="engine.kv_dtype: float16 is for GPUs"):
         resolve_kv_dtype("float16", "cpu")
+    with pytest.raises(ValueError, match="engine.kv_dtype: int8 runs on the CPU only"):
+        resolve_kv_dtype("int8", "cuda:0")
 
 
 def test_a_pool_smaller_than_a_block_is_refused_naming_the_sizes(llm):
@@ -211,3 +213,57 @@ def test_n_answers_are_refused_a_share_when_no_block_is_free():
     assert pool.grow(table, 10) is None
     assert pool.share(table, 10, "default") is None
     assert [pool.ref_counts[b] for b in table] == [1, 1, 1] and pool.num_used == 3  # nothing taken on refusal
+
+
+def test_int8_kv_attention_is_close_to_float32s(llm):
+    """Decode and prefill attention read an int8 cache (values and a scale per token and head) as
+    the float32 cache of the same keys and values, within int8's rounding."""
+    from gpushare.kernels import paged_attention_torch as attention
+
+    config, gen = llm.model.config, torch.Generator().manual_seed(0)
+    float_pool, int8_pool = (DeviceKVPool(8 * kv_bytes_per_block(config, 16, dtype), "cpu", slab_blocks=8)
+                             for dtype in (torch.float32, torch.int8))
+    (fk, fv), *_ = float_pool.layer_views(config, 16, torch.float32)
+    (ik, iv), *_ = int8_pool.layer_views(config, 16, torch.int8)
+    length, heads, kv_heads, dim = 40, config.num_heads, config.num_kv_heads, config.head_dim
+    keys, values = (torch.randn(length, kv_heads, dim, generator=gen) for _ in range(2))
+    slots = torch.arange(16, 16 + length)  # blocks 1, 2, 3
+    attention.reshape_and_cache(keys, values, fk, fv, slots)
+    attention.reshape_and_cache(keys, values, ik, iv, slots)
+    tables = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    q = torch.randn(1, heads, dim, generator=gen)
+    lengths = torch.tensor([length], dtype=torch.int32)
+    scale = dim ** -0.5
+    # int8 rounds each value by up to half a step, absmax / 254: ~1% of the largest of a row (~2.5
+    # here); an early prefill query averages over few values, so its error is closest to that
+    tolerance = 4e-2
+    exact = attention.decode_attention(q, fk, fv, tables, lengths, scale)
+    assert (attention.decode_attention(q, ik, iv, tables, lengths, scale) - exact).abs().max() < tolerance
+    qs = torch.randn(length, heads, dim, generator=gen)
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    exact = attention.prefill_attention(qs, fk, fv, tables, cu, lengths, scale)
+    assert (attention.prefill_attention(qs, ik, iv, tables, cu, lengths, scale) - exact).abs().max() < tolerance
+
+
+def test_int8_kv_keeps_the_perplexity_in_a_quarter_of_the_bytes(llm, smollm2_path):
+    import math
+    import os
+
+    from gpushare import LLM
+
+    text_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "data", "us_founding_texts.txt")
+    with open(text_path) as f:
+        ids = llm.tokenizer.encode(f.read(), add_special_tokens=True)[:384]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def perplexity(model) -> float:
+        scored = model.generate([ids], params)[0].prompt_logprobs
+        return math.exp(-sum(scored[p][ids[p]] for p in range(1, len(ids))) / (len(ids) - 1))
+
+    int8_kv = LLM(smollm2_path, dtype="float32", weights="float32", kv_dtype="int8", num_threads=2)
+    try:
+        assert int8_kv.engine.stats().models[int8_kv.model_name].block_bytes == 195840  # float32: 737280
+        ratio = perplexity(int8_kv) / perplexity(llm)
+    finally:
+        int8_kv.shutdown()
+    assert abs(ratio - 1) < 0.02, ratio  # measured on the whole text: 22.565 vs 22.520 (+0.2%)

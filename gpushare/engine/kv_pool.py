@@ -20,12 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.config import ModelConfig
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+INT8_SCALE_BYTES = 4  # int8 KV: a float32 scale per token and KV head
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    if dtype == torch.int8:
+        per_token = 2 * config.num_layers * config.num_kv_heads * (config.head_dim + INT8_SCALE_BYTES)
+        return per_token * block_size
     return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 
 
@@ -35,12 +40,16 @@ def resolve_kv_dtype(kv_dtype: str, device: str) -> torch.dtype:
     keeps the oracle prompts' greedy answers and the perplexity (22.515 vs 22.520), but K/V rows
     that come from the prefix cache and rows computed afresh differ in their last bits, which
     bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on): with it an answer
-    would depend on what ran before. float16 is refused on the CPU (no fast float16 kernels)."""
+    would depend on what ran before. float16 is refused on the CPU (no fast float16 kernels); int8
+    (a quarter of float32's bytes plus a scale per token and head) on GPUs, whose Triton kernels
+    read float KV only."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     on_gpu = device.startswith("cuda")
     if kv_dtype == "float16" and not on_gpu:
-        raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16 or float32")
+        raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16, int8 or float32")
+    if kv_dtype == "int8" and on_gpu:
+        raise ValueError("engine.kv_dtype: int8 runs on the CPU only; on a GPU use bfloat16, float16 or float32")
     if kv_dtype == "auto":
         return torch.bfloat16 if on_gpu else torch.float32
     return getattr(torch, kv_dtype)
@@ -110,6 +119,13 @@ class DeviceKVPool:
         block_bytes = kv_bytes_per_block(config, block_size, dtype)
         num_blocks = self.capacity_bytes // block_bytes
         shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
+        if dtype == torch.int8:  # per block: every layer's int8 values, then their float32 scales
+            rows = self.buffer[:num_blocks * block_bytes].view(num_blocks, block_bytes)
+            data_bytes = block_bytes // (config.head_dim + INT8_SCALE_BYTES) * config.head_dim
+            data = rows[:, :data_bytes].view(torch.int8).view(shape)
+            scales = rows[:, data_bytes:].view(torch.float32).view(shape[:-1])
+            return [(Int8KV(data[:, i, 0], scales[:, i, 0]), Int8KV(data[:, i, 1], scales[:, i, 1]))
+                    for i in range(config.num_layers)]
         blocks = self.buffer[:num_blocks * block_bytes].view(dtype).view(shape)
         return [(blocks[:, i, 0], blocks[:, i, 1]) for i in range(config.num_layers)]
 

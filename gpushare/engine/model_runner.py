@@ -11,6 +11,7 @@ from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.sampling import SamplingFailure, prompt_logprobs, sample_batch
 from gpushare.engine.scheduler import Batch
+from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.loader import LoadedModel
 
@@ -114,9 +115,10 @@ class ModelRunner:
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one KV block in every layer (a fork's own copy of a shared partial block)."""
-        for k, v in self.kv_caches:
-            k[destination].copy_(k[source])
-            v[destination].copy_(v[source])
+        for layer in self.kv_caches:
+            for cache in layer:
+                for tensor in (cache.data, cache.scale) if isinstance(cache, Int8KV) else (cache,):
+                    tensor[destination].copy_(tensor[source])
 
     def _record_prompt_logprobs(self, seq, hidden, first_row: int, chunk: int) -> None:
         """Extend ``seq.prompt_logprobs`` from this chunk's rows (``hidden[first_row:first_row + chunk]``):
