@@ -32,7 +32,7 @@ from gpushare.engine.memory_budget import count_tensors, estimate_weight_bytes  
 from gpushare.engine.registry import Registry  # noqa: E402
 from gpushare.engine.sampling import SamplingParams  # noqa: E402
 
-KV_BUDGET = 48 << 20  # 16 MiB of KV pool per model (max_loaded_models 3)
+KV_BUDGET = 48 << 20  # the engine's KV pool, shared by the loaded models (counted once in the budget)
 TOPICS = ["the ocean", "volcanoes", "tea", "bridges", "black holes", "honey bees"]
 
 
@@ -126,15 +126,16 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="gpushare-swap-")
     models = {"smollm2-gguf": gguf, "smollm2-st": gguf_to_hf_folder(gguf, os.path.join(tmp, "st")),
               "tiny-random": random_llama_folder(gguf, os.path.join(tmp, "tiny"))}
-    sizes = {n: estimate_weight_bytes(count_tensors(p), args.dtype) + KV_BUDGET // 3 for n, p in models.items()}
+    sizes = {n: estimate_weight_bytes(count_tensors(p), args.dtype) for n, p in models.items()}
 
-    engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, num_threads=args.threads))
+    engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, num_threads=args.threads,
+                                 device=args.device, kv_cache_bytes=KV_BUDGET))
     engine.start()
     try:
         load = asyncio.run(load_times(engine, gguf, args.repeats, args.dtype, args.device))
-        fit_all = asyncio.run(mixed_traffic(engine, models, sum(sizes.values()), args.clients, args.requests,
-                                            args.dtype, args.device))
-        two_fit = sum(sizes.values()) - min(sizes.values()) // 2  # any two, never all three
+        fit_all = asyncio.run(mixed_traffic(engine, models, KV_BUDGET + sum(sizes.values()), args.clients,
+                                            args.requests, args.dtype, args.device))
+        two_fit = KV_BUDGET + sum(sizes.values()) - min(sizes.values()) // 2  # any two, never all three
         fit_two = asyncio.run(mixed_traffic(engine, models, two_fit, args.clients, args.requests,
                                             args.dtype, args.device))
     finally:
