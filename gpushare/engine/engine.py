@@ -88,6 +88,7 @@ class Engine:
         self.kv_pool = DeviceKVPool(self.config.kv_cache_bytes, self.config.device, self.config.kv_slab_blocks)
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device)
         self._idle_since_s: dict[int, float] = {}  # kv_sharing.shed_idle_models' memory
+        self._next_shed_check_s = 0.0  # idle models are looked at once per idle_tick_s, not every step
         self.thread_native_id: int | None = None
         self.steps = 0
         self.last_tick_s = time.monotonic()
@@ -247,8 +248,12 @@ class Engine:
         return True
 
     def _shed_idle(self) -> None:
+        now_s = time.monotonic()
+        if now_s < self._next_shed_check_s:
+            return
+        self._next_shed_check_s = now_s + self.config.idle_tick_s
         schedulers = [w.scheduler for w in self.workers.values()]
-        if shed_idle_models(schedulers, self._idle_since_s, time.monotonic(), self.config.kv_idle_release_s):
+        if shed_idle_models(schedulers, self._idle_since_s, now_s, self.config.kv_idle_release_s):
             return_freed_memory()
 
     def _fail_everything(self, reason: str) -> None:

@@ -69,7 +69,7 @@ class Scheduler:
                 continue
             chunk = min(seq.num_pending, budget)
             while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
-                if refused == "pool" and self.borrow is not None and self.borrow(self):
+                if self._borrowed(refused):
                     continue
                 victim = self.victim(seq, refused, batch)
                 self.preempt(victim)
@@ -116,9 +116,13 @@ class Scheduler:
         """Blocks for a new prompt's first chunk, borrowed from other models when this one is under its
         share (never in an urgent step: the paused step in flight may hold the sequences it would take)."""
         while (refused := self.pool.grow(seq.block_table, seq.num_computed + chunk, seq.tenant)) is not None:
-            if not (refused == "pool" and borrow and self.borrow is not None and self.borrow(self)):
+            if not (borrow and self._borrowed(refused)):
                 return False
         return True
+
+    def _borrowed(self, refused: str) -> bool:
+        """Whether another model gave up a sequence's blocks because this pool ran short."""
+        return refused == "pool" and self.borrow is not None and self.borrow(self)
 
     def victim(self, seq: Sequence, refused: str, batch: Batch | None = None) -> Sequence:
         """Whom to preempt so ``seq`` can grow (``seq`` itself when no one else may be); never a
