@@ -81,13 +81,16 @@ def load_with_progress(model: str, keep_alive: str | None) -> dict:
     body = {"model": model}
     if keep_alive is not None:
         body["keep_alive"] = keep_alive_value(keep_alive)
-    bar, final = ProgressBar(f"loading {model}"), {}
+    bar, final, total = ProgressBar(f"loading {model}"), {}, 0
     try:
         for line in stream("/api/load", body):
             if line.get("status") == "loading" and line.get("total"):
-                bar.update(line["completed"], line["total"])
+                total = line["total"]
+                bar.update(line["completed"], total)
             elif line.get("status") == "queued" and not bar.tty:
                 print(f"waiting for memory to load {model}", file=sys.stderr)
+            elif line.get("status") == "success" and total:
+                bar.update(total, total)  # progress is sampled: the last sample may have come before the end
             final = line
     finally:
         bar.close()
