@@ -24,7 +24,7 @@ from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
 from gpushare.config import ConfigError, Settings, parse_host
-from gpushare.engine.registry import ModelLoadError, Registry, RegistryFull
+from gpushare.residency.registry import ModelLoadError, Registry, RegistryFull
 from gpushare.lifecycle import (Reloader, Signals, engine_stall_limit_s, install_test_stall, report_status,
                                 status_line)
 from gpushare.service import notify

@@ -22,8 +22,8 @@ from gpushare import LLM
 from gpushare.api.streaming import EngineStream
 from gpushare.config import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.memory_budget import count_tensors, estimate_weight_bytes
-from gpushare.engine.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
+from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
+from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
 from gpushare.engine.sampling import SamplingParams
 from tests.daemon_fixture import GPUSHARE, http, spawn_daemon, wait_for
 from tests.model_files import gguf_to_hf_folder, random_llama_folder

@@ -13,7 +13,7 @@ import pytest
 
 from gpushare.config import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
+from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
 
 
 class CountingLoader:
@@ -226,7 +226,7 @@ def test_models_dir_scan_create_and_remove(engine, tmp_path, smollm2_path, llm):
 
 
 def test_size_estimate_from_the_file_header_equals_the_loaded_size(smollm2_path, llm, tmp_path):
-    from gpushare.engine.memory_budget import count_tensors, estimate_weight_bytes
+    from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 
     count = count_tensors(smollm2_path)
     assert count.parameters == sum(p.numel() for p in llm.model.model.parameters()) + sum(

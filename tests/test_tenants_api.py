@@ -267,7 +267,7 @@ def test_without_tenants_everyone_is_the_default_tenant_and_needs_no_key():
 
     from gpushare.api.app import build_app
     from gpushare.engine.engine import Engine
-    from gpushare.engine.registry import Registry
+    from gpushare.residency.registry import Registry
 
     settings = parse_settings({"models": []}, env={})
     engine = Engine()

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gpushare.api.errors import bad_request
 from gpushare.config import Settings
-from gpushare.engine.registry import Registry
+from gpushare.residency.registry import Registry
 
 
 @dataclass

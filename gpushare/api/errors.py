@@ -12,7 +12,7 @@ import logging
 
 from aiohttp import web
 
-from gpushare.engine.registry import ModelLoadError, ModelNotFound, RegistryFull
+from gpushare.residency.registry import ModelLoadError, ModelNotFound, RegistryFull
 
 log = logging.getLogger("gpushare.api")
 

@@ -37,7 +37,7 @@ from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
 from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
-from gpushare.engine.registry import ModelNotFound
+from gpushare.residency.registry import ModelNotFound
 from gpushare.engine.sequence import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
 

@@ -19,7 +19,7 @@ from gpushare.api.errors import bad_request
 from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.ollama import CAPABILITIES, rfc3339
 from gpushare.api.tenants import check_admin, check_model, is_admin
-from gpushare.engine.registry import RegistrationError
+from gpushare.residency.registry import RegistrationError
 from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
                                     parameters_text)
 from gpushare.modelfile import ModelfileError, format_modelfile, parse_modelfile

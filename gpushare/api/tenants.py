@@ -43,7 +43,7 @@ from gpushare.api.context import CONTEXT, ApiContext, context
 from gpushare.api.errors import ApiError
 from gpushare.api.gateway import GatewayHeaders
 from gpushare.config import Settings, TenantSettings
-from gpushare.engine.registry import ModelNotFound
+from gpushare.residency.registry import ModelNotFound
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key

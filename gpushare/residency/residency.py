@@ -21,9 +21,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gpushare.engine.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
-from gpushare.engine.model_catalog import ModelSource
-from gpushare.engine.warm_cache import WarmCache, to_device, to_host
+from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
+from gpushare.residency.model_catalog import ModelSource
+from gpushare.residency.warm_cache import WarmCache, to_device, to_host
 from gpushare.models.weight_format import resolve_weights
 
 log = logging.getLogger("gpushare.registry")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpushare.engine.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
+from gpushare.residency.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
 from gpushare.model_options import ModelPreset
 from gpushare.modelfile import format_modelfile
 
