@@ -97,7 +97,7 @@ class LLM:
 
         try:
             for i, (tokens, p) in enumerate(zip(token_lists, params)):
-                ids.append(self.engine.submit(self.model_name, tokens, p, collector(i)))
+                ids.append(self.engine.submit(self.engine.request(self.model_name, tokens, p), collector(i)))
         except Exception:
             for rid in ids:
                 self.engine.cancel(rid)

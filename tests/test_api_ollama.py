@@ -186,7 +186,7 @@ def test_unknown_model_is_404(client):
 
 def test_prompt_longer_than_the_context_is_400(client):
     expect_error(lambda: client.generate(MODEL, "one two three four five six seven eight nine ten " * 3,
-                                         options={"num_ctx": 16}), 400, "longer than the context of 16 tokens")
+                                         options={"num_ctx": 16}), 400, "the usable context is 16 tokens")
 
 
 def test_wrong_types_name_the_field(daemon):

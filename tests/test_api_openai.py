@@ -153,7 +153,7 @@ def test_n_above_max_num_seqs_is_rejected(client):
 def test_prompt_longer_than_the_context_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hello " * 9000, max_tokens=4)
-    assert "longer than the context of 8192 tokens" in info.value.body["message"]
+    assert "the prompt is 9001 tokens, and the usable context is" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=9000)
     assert "max_tokens" in info.value.body["message"]

@@ -51,7 +51,7 @@ def run_all(engine, token_lists, params):
         return on_output
 
     for i, tokens in enumerate(token_lists):
-        engine.submit("m", tokens, params, collector(i))
+        engine.submit(engine.request("m", tokens, params), collector(i))
     engine.start()
     assert done.wait(300), "engine did not finish"
     return [results[i] for i in range(len(token_lists))]
@@ -111,7 +111,7 @@ def test_cancel_frees_blocks_and_ends_stream(llm):
             elif len(seen) == 3:
                 engine.cancel(out.request_id)
 
-        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(200), on_output)
+        engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(200)), on_output)
         assert finished.wait(60)
         assert seen[-1].finish_reason == "abort"
         assert len(seen) < 200
@@ -177,9 +177,9 @@ def test_bad_inputs_raise_and_engine_keeps_serving(llm, tmp_path):
     for top_p in (0, 1.5):
         with pytest.raises(ValueError, match="top_p"):
             llm.chat([conv], SamplingParams(top_p=top_p))
-    with pytest.raises(ValueError, match="longer than the model's context"):
+    with pytest.raises(ValueError, match="9000 tokens, and the usable context is 8192 tokens"):
         llm.generate([[1] * 9000], greedy(4))
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with pytest.raises(ValueError, match=r"max_tokens \(8100\) exceeds the usable context of 8192 tokens"):
         llm.generate([[1] * 100], SamplingParams(max_tokens=8100))
     assert llm.chat([conv], greedy(4))[0].finish_reason == "length"
 
@@ -187,8 +187,8 @@ def test_bad_inputs_raise_and_engine_keeps_serving(llm, tmp_path):
 def test_request_larger_than_the_pool_fails_at_once(llm):
     engine = small_engine(llm, num_blocks=4)
     try:
-        with pytest.raises(ValueError, match="more than the whole pool"):
-            engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(100), lambda out: None)
+        with pytest.raises(ValueError, match=r"exceeds the usable context of 64 tokens \(.*KV pool 64"):
+            engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(100)), lambda out: None)
     finally:
         engine.shutdown()
 

@@ -14,6 +14,7 @@ import torch
 from gpushare import SamplingParams
 from gpushare.engine import engine as engine_module
 from gpushare.engine.engine import EngineFailed
+from gpushare.engine.request import EmbedRequest
 from gpushare.engine.sampling import SamplingFailure, sample
 from test_engine import PROMPTS, chat_ids, greedy, small_engine
 
@@ -33,7 +34,7 @@ def run(engine, llm, prompts, params_list, before_start=None):
     """Submit each prompt with its params; returns {index: (token ids, finish reason, error)}."""
     results, done = {}, threading.Event()
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-        engine.submit("m", chat_ids(llm, prompt), params, collect_into(results, i, done, len(prompts)))
+        engine.submit(engine.request("m", chat_ids(llm, prompt), params), collect_into(results, i, done, len(prompts)))
     if before_start is not None:
         before_start()
     engine.start()  # once every request is queued: the first step sees them all
@@ -103,8 +104,8 @@ def test_a_failure_after_the_step_ends_only_that_request(llm, monkeypatch):
     monkeypatch.setattr(engine_module, "append_text", append_text)
     try:
         results, done = {}, threading.Event()
-        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(16), collect_into(results, 0, done, 2))
-        doomed.append(engine.submit("m", chat_ids(llm, PROMPTS[1]), greedy(16), collect_into(results, 1, done, 2)))
+        engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(16)), collect_into(results, 0, done, 2))
+        doomed.append(engine.submit(engine.request("m", chat_ids(llm, PROMPTS[1]), greedy(16)), collect_into(results, 1, done, 2)))
         engine.start()
         assert done.wait(300)
         assert engine.alive() and engine.stats().models["m"].blocks_used == 0
@@ -129,9 +130,9 @@ def test_a_failed_loop_ends_every_stream_and_refuses_new_work(llm):
         assert {r[1] for r in results.values()} == {"error"}
         assert all("injected loop bug" in r[2] for r in results.values())
         with pytest.raises(EngineFailed, match="injected loop bug"):
-            engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(4), lambda out: None)
+            engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(4)), lambda out: None)
         with pytest.raises(EngineFailed):
-            engine.embed("m", [chat_ids(llm, PROMPTS[0])])
+            engine.embed(EmbedRequest("m", [chat_ids(llm, PROMPTS[0])]))
     finally:
         engine.shutdown()
 
@@ -147,11 +148,11 @@ def test_generation_steps_run_between_the_inputs_of_a_large_embedding(llm):
             if out.finished:
                 finished.set()
 
-        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(64), on_output)
+        engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(64)), on_output)
         assert first_token.wait(120)
         steps_before = engine.steps
         inputs = [chat_ids(llm, p) for p in PROMPTS]
-        future = engine.embed("m", inputs)
+        future = engine.embed(EmbedRequest("m", inputs))
         steps_at_end = []
         future.add_done_callback(lambda f: steps_at_end.append(engine.steps))  # runs on the engine thread
         assert len(future.result(timeout=300)) == len(inputs)

@@ -56,7 +56,7 @@ def test_n_answers_equal_single_answers_and_share_prompt_blocks(llm):
     used = []
     engine.on_step = lambda eng: used.append(eng.workers["m"].scheduler.pool.num_used)
     answers = Answers(3)
-    engine.submit("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3), answers)
+    engine.submit(engine.request("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)), answers)
     with running(engine):
         assert answers.wait() == [single] * 3
         full, partial = divmod(len(prompt) + 1, 16)
@@ -73,8 +73,8 @@ def test_a_fork_without_a_free_block_waits_and_computes_its_prompt(llm):
     engine.on_step = lambda eng: queues.append((len(eng.workers["m"].scheduler.running),
                                                 len(eng.workers["m"].scheduler.waiting)))
     answers, hogged = Answers(3), Answers(1)
-    engine.submit("m", hog, greedy(8), hogged)
-    engine.submit("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3), answers)
+    engine.submit(engine.request("m", hog, greedy(8)), hogged)
+    engine.submit(engine.request("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)), answers)
     with running(engine):
         assert answers.wait() == [single] * 3
         hogged.wait()
@@ -88,8 +88,8 @@ def test_cancelling_ends_every_answer(llm):
     answers = Answers(3)
     started = threading.Event()
     engine.on_step = lambda eng: started.set() if len(eng.requests) == 3 else None
-    rid = engine.submit("m", chat_ids(llm, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=500,
-                                                                       ignore_eos=True, n=3), answers)
+    rid = engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=500,
+                                                                       ignore_eos=True, n=3)), answers)
     with running(engine):
         assert started.wait(120)
         engine.cancel(rid)
@@ -102,7 +102,7 @@ def test_each_answer_keeps_its_own_grammar(llm):
     answers = Answers(3)
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=60, n=3,
                             structured=StructuredOutput(json_schema=SCHEMA))
-    engine.submit("m", chat_ids(llm, "Describe a person as JSON."), params, answers)
+    engine.submit(engine.request("m", chat_ids(llm, "Describe a person as JSON."), params), answers)
     with running(engine):
         answers.wait()
         values = [json.loads(answers.text[i]) for i in range(3)]
@@ -121,7 +121,7 @@ def test_a_step_failing_after_the_fork_ends_every_answer_and_frees_its_blocks(ll
     monkeypatch.setattr(model_runner, "sample_batch", broken)
     engine = small_engine(llm, 64)
     answers = Answers(3)
-    engine.submit("m", chat_ids(llm, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=6, n=3), answers)
+    engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), SamplingParams(temperature=0, max_tokens=6, n=3)), answers)
     with running(engine):
         answers.wait()
         assert answers.reasons == {0: "error", 1: "error", 2: "error"}

@@ -167,7 +167,7 @@ def first_token_order(llm, priority_of_a: str | None) -> list[str]:
             if out.finished:
                 finished.release()
 
-        engine.submit("m", chat_ids(llm, "Hi"), greedy(2), on_output, tenant=tenant, priority=priority)
+        engine.submit(engine.request("m", chat_ids(llm, "Hi"), greedy(2), tenant=tenant, priority=priority), on_output)
 
     submit("a", priority_of_a)
     submit("b", None)
@@ -187,7 +187,7 @@ def test_an_objective_priority_overrides_the_tenants_in_the_engine(llm):
 def test_an_unknown_priority_is_refused_at_submit(llm):
     engine = small_engine(llm, 64)
     with pytest.raises(ValueError, match="priority must be one of interactive, batch, got 'urgent'"):
-        engine.submit("m", chat_ids(llm, "Hi"), greedy(2), lambda out: None, tenant="a", priority="urgent")
+        engine.submit(engine.request("m", chat_ids(llm, "Hi"), greedy(2), tenant="a", priority="urgent"), lambda out: None)
 
 
 @pytest.mark.parametrize("key", ["trust_gateway_headers", "open_gateway_metrics"])

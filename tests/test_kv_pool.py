@@ -91,7 +91,7 @@ class TwoModels:
                     if len(self.results) == self.expected:
                         self.all_done.set()
 
-        self.engine.submit(model, ids, params, on_output)
+        self.engine.submit(self.engine.request(model, ids, params), on_output)
 
 
 def test_a_busy_model_borrows_an_idle_ones_share_and_gives_it_back(llm):
@@ -126,7 +126,7 @@ def test_idle_models_give_their_slabs_back(llm):
     engine.start()
     try:
         done = threading.Event()
-        engine.submit("m", chat_ids(llm, PROMPTS[0]), greedy(40), lambda out: out.finished and done.set())
+        engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(40)), lambda out: out.finished and done.set())
         assert done.wait(120)
         stats = engine.stats()
         assert stats.models["m"].cached_blocks > 0  # the finished chat's prefix stays cached a while
@@ -185,7 +185,7 @@ def test_a_prompt_the_whole_pool_cannot_hold_is_a_400_naming_the_sizes(tmp_path,
         assert status == 200 and body["eval_count"] > 0
         status, body, _ = http("POST", daemon.url + "/api/generate", {**short, "prompt": "word " * 40})
         assert status == 400
-        assert "more than this model's KV cache holds (32 tokens; raise memory.kv_budget)" in body["error"]
+        assert "the usable context is 32 tokens (the least of model context 8192, KV pool 32 (memory.kv_budget))" in body["error"]
 
 
 def small_pool(num_blocks: int) -> BlockPool:

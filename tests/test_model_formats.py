@@ -63,7 +63,7 @@ def test_bfloat16_runs_on_cpu_and_agrees_on_the_first_token(llm, smollm2_path):
             if out.finished:
                 done.set()
 
-        engine.submit("bf16", ids, greedy(8), on_output)
+        engine.submit(engine.request("bf16", ids, greedy(8)), on_output)
         assert done.wait(120)
     finally:
         engine.shutdown()

@@ -257,7 +257,7 @@ def test_a_chat_longer_than_num_ctx_drops_its_oldest_turns(client, daemon):
     assert truncated.message.content == direct.message.content
     status, body, _ = http("POST", daemon.url + "/api/chat", {"model": MODEL, "messages": turns, "stream": False,
                                                               "truncate": False, "options": {"num_ctx": num_ctx}})
-    assert status == 400 and "longer than the context" in body["error"]
+    assert status == 400 and "the usable context is 249 tokens" in body["error"]
 
 
 def test_ps_context_is_what_a_request_can_get(client, daemon):

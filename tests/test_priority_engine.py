@@ -52,8 +52,7 @@ class Run:
                 if len(self.reasons) == self.num_requests:
                     self.done.set()
 
-        self.request_ids[prompt] = self.engine.submit("m", chat_ids(self.llm, prompt), greedy(24), on_output,
-                                                      tenant=tenant)
+        self.request_ids[prompt] = self.engine.submit(self.engine.request("m", chat_ids(self.llm, prompt), greedy(24), tenant=tenant), on_output)
 
     def start_flood(self) -> None:
         """Queue the flood, then start the engine: its first step prefills the whole flood together,

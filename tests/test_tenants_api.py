@@ -257,6 +257,10 @@ def test_reload_applies_new_limits_live_and_keeps_admitted_requests():
         assert a.running == 2 and not a.waiters
 
     asyncio.run(scenario())
+    # The engine takes new policies before its next step; its snapshot shows them after that turn.
+    deadline_s = time.monotonic() + 10
+    while "a" not in engine.tenant_stats() and time.monotonic() < deadline_s:
+        time.sleep(0.01)
     stats = engine.tenant_stats()
     assert stats["a"].kv_limit_bytes == 1 << 30 and "b" not in stats
 

@@ -9,6 +9,7 @@ from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_cache import KVCacheBusy
 from gpushare.engine.kv_pool import kv_bytes_per_block
+from gpushare.engine.request import EmbedRequest
 from gpushare.engine.tenants import TenantPolicy
 from test_engine import chat_ids
 
@@ -51,7 +52,7 @@ class Requests:
                     self.pending -= 1
                     if self.pending == 0:
                         self.all_done.set()
-        self.engine.submit("m", ids, params, on_output, tenant=tenant)
+        self.engine.submit(self.engine.request("m", ids, params, tenant=tenant), on_output)
         return key
 
     def wait(self, timeout_s=300):
@@ -97,7 +98,7 @@ def test_request_beyond_the_tenant_limit_is_refused(llm):
     engine.set_tenants([TenantPolicy("small", kv_limit_bytes=2 * per_block)])
     try:
         with pytest.raises(ValueError, match="kv_limit"):
-            engine.submit("m", chat_ids(llm, "Hi"), SamplingParams(max_tokens=64), lambda out: None, tenant="small")
+            engine.submit(engine.request("m", chat_ids(llm, "Hi"), SamplingParams(max_tokens=64), tenant="small"), lambda out: None)
     finally:
         engine.shutdown()
 
@@ -115,8 +116,8 @@ def test_embedding_inputs_are_charged_to_their_tenant(llm):
     hook = llm.model.model.layers[0].register_forward_hook(record)
     try:
         with pytest.raises(ValueError, match="kv_limit"):
-            engine.embed("m", [ids], tenant="tiny")
-        (vector,) = engine.embed("m", [ids], tenant="calm").result(timeout=120)
+            engine.embed(engine.embed_request("m", [ids], tenant="tiny"))
+        (vector,) = engine.embed(EmbedRequest("m", [ids], tenant="calm")).result(timeout=120)
     finally:
         hook.remove()
         engine.shutdown()
@@ -130,8 +131,8 @@ def test_embedding_never_takes_another_tenants_reservation(llm):
     engine.set_tenants([TenantPolicy("owner", kv_reserved_bytes=10 * per_block), TenantPolicy("other")])
     try:
         with pytest.raises(KVCacheBusy, match="no room in the KV cache"):
-            engine.embed("m", [conv_ids(llm, "hello")], tenant="other").result(timeout=120)
-        assert len(engine.embed("m", [conv_ids(llm, "hello")], tenant="owner").result(timeout=120)[0]) > 0
+            engine.embed(EmbedRequest("m", [conv_ids(llm, "hello")], tenant="other")).result(timeout=120)
+        assert len(engine.embed(EmbedRequest("m", [conv_ids(llm, "hello")], tenant="owner")).result(timeout=120)[0]) > 0
     finally:
         engine.shutdown()
 

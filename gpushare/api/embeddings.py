@@ -10,10 +10,11 @@ from aiohttp import web
 from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
-from gpushare.api.streaming import Timings, engine_failed
+from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.engine.engine import EngineFailed
 from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.engine.kv_cache import KVCacheBusy
+from gpushare.engine.request import EmbedRequest, check_embed, usable_context
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
@@ -30,7 +31,8 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         timings.load_s = lease.load_duration_s
         if not inputs:
             return [], timings
-        limit = lease.model.config.context_length - 1  # the engine counts one token to generate
+        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant)
+        limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists = []
         encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
         for i, ids in enumerate(encoded):
@@ -45,8 +47,10 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
         check_count("input", timings.prompt_tokens, "tokens", "max_embed_tokens", limits)
         ticket.charge_tokens(timings.prompt_tokens, timings)
+        embed = EmbedRequest(lease.entry.name, token_lists, ticket.tenant)
         try:
-            vectors = await asyncio.wrap_future(ctx.engine.embed(lease.entry.name, token_lists, ticket.tenant))
+            check_embed(token_lists, model_limits, tenant_limit_bytes, ticket.tenant)
+            vectors = await asyncio.wrap_future(lease.engine.embed(embed))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:

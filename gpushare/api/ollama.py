@@ -31,8 +31,8 @@ from gpushare.api.logprobs import TokenText, requested as logprobs_requested
 from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import (chat_with_presets, context_room, encode_with_template, fit_chat,
                                          with_model_options)
-from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
-                                    usable_context)
+from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
+                                    make_sampling_params, relay)
 from gpushare.api.structured import ollama_format
 from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
                                   visible)
@@ -156,14 +156,14 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
-        room = context_room(ctx.engine, lease.entry.name, lease.model.config.context_length, num_ctx)
+        room = context_room(lease.engine, lease.entry.name, lease.model.config.context_length, num_ctx)
         prompt_ids = await off_loop(make_prompt, lease.model, preset, room)
-        limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids, num_ctx)
-        # Ollama never fails on num_predict: generation stops at the context.
-        max_tokens = min(max_tokens or limit, limit - len(prompt_ids))
         params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
                                       logprobs=top_logprobs, **values)
-        ticket.charge_tokens(len(prompt_ids) + max_tokens, timings)
+        # Ollama never fails on num_predict: generation stops at the context (clip).
+        gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
+                              field_names=FIELD_NAMES)
+        ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         timings.submit_s = time.monotonic()
         base = {"model": model}
         token_text = TokenText(lease.model) if top_logprobs is not None else None
@@ -181,8 +181,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
             return [{**base, "created_at": now_rfc3339(), **reply(""), "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
-                          ticket.priority) as engine_stream:
+        with EngineStream(lease.engine, gen) as engine_stream:
             if stream:
                 held = ReplyFilter(tools)
 

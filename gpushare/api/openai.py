@@ -24,8 +24,8 @@ from gpushare.api.fields import field, message_list, read_json_object, reject_un
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
-from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, collect, make_sampling_params, relay,
-                                    usable_context)
+from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
+                                    make_sampling_params, relay)
 from gpushare.api.structured import openai_response_format
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 new_call_id, parse_calls, parse_tools)
@@ -50,12 +50,12 @@ def _answers(body: dict) -> int:
     return n
 
 
-def sampling_values(body: dict, default_max_tokens: int | None, limits) -> dict:
+def sampling_values(body: dict, limits) -> dict:
     stop = string_list(body, "stop")
     check_stop(stop, "stop", limits)
     max_tokens = field(body, "max_completion_tokens", "integer")
     if max_tokens is None:
-        max_tokens = field(body, "max_tokens", "integer", default_max_tokens)
+        max_tokens = field(body, "max_tokens", "integer")
     return {
         "max_tokens": max_tokens,
         "temperature": field(body, "temperature", "number"),
@@ -121,11 +121,11 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for k, c in enumerate(calls)]
 
 
-async def _complete(request: web.Request, body: dict, make_prompt, default_max_tokens: int | None,
-                    chat: bool, tools: ToolSpec | None = None) -> web.StreamResponse:
+async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
+                    tools: ToolSpec | None = None) -> web.StreamResponse:
     model = required_string(body, "model")
     n = _answers(body)
-    values = sampling_values(body, default_max_tokens, limits_of(request))
+    values = sampling_values(body, limits_of(request))
     tools = tools or ToolSpec()
     structured = forced_output(tools) or openai_response_format(body)
     top_logprobs = logprobs_requested(body) if chat else completion_requested(body)
@@ -134,21 +134,16 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
                                      prefix="stream_options.")
     ctx = context(request)
     timings = Timings()
-    if n > ctx.engine.config.max_num_seqs:  # the n answers run side by side
-        raise bad_request(f'"n" must be at most engine.max_num_seqs ({ctx.engine.config.max_num_seqs}), got {n}',
-                          param="n")
     async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
         preset = lease.entry.source.preset  # the model's options, system prompt, template (model_defaults.py)
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         fill_openai_values(values, preset, explicit)
         prompt_ids = await off_loop(make_prompt, lease.model, preset)
-        limit = usable_context(ctx.engine, lease.entry.name, lease.model.config.context_length, prompt_ids,
-                               preset.options.get("num_ctx") or ctx.settings.server.context_length)
-        # A default never overflows the context; an explicit max_tokens that does is a 400, as in vLLM.
-        if not explicit:
-            values["max_tokens"] = min(values["max_tokens"] or limit, limit - len(prompt_ids))
         params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
-        ticket.charge_tokens(len(prompt_ids) + n * params.max_tokens, timings)
+        # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
+        gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
+                              preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit)
+        ticket.charge_tokens(len(prompt_ids) + n * gen.params.max_tokens, timings)
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if stream and chat else "chat.completion" if chat
                 else "text_completion",
@@ -184,8 +179,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, default_max_t
         def chunk(c: dict) -> dict:
             return {**base, "choices": [c], **({"usage": None} if include_usage else {})}
 
-        with EngineStream(ctx.engine, lease.entry.name, prompt_ids, params, ticket.tenant,
-                          ticket.priority) as engine_stream:
+        with EngineStream(lease.engine, gen) as engine_stream:
             if stream:
                 held = [ReplyFilter(tools) for _ in range(n)]
                 called: dict[int, list] = {}
@@ -233,7 +227,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = parse_messages(body, limits_of(request))
     tools = parse_tools(body)
     return await _complete(request, body, lambda model, preset: encode_chat_with_tools(
-        model, chat_with_presets(preset, messages), tools, preset.template), None, chat=True, tools=tools)
+        model, chat_with_presets(preset, messages), tools, preset.template), chat=True, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -246,7 +240,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return encode_text(model, prompt) if isinstance(prompt, str) else prompt
 
     # OpenAI's legacy completions default to 16 tokens.
-    return await _complete(request, body, make_prompt, 16, chat=False)
+    return await _complete(request, body, make_prompt, chat=False)
 
 
 async def _model_object(registry, source) -> dict:

@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from aiohttp import web
@@ -22,9 +22,10 @@ from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
 from gpushare.engine.engine import EngineFailed
+from gpushare.engine.request import GenerationRequest, ModelLimits, RequestError, check_request, model_limits
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import RequestOutput
-from gpushare.engine.tenants import DEFAULT_TENANT
+from gpushare.engine.tenants import TenantPolicy
 
 log = logging.getLogger("gpushare.api")
 # A stream's kernel send buffer. Left to autotuning it grows to net.ipv4.tcp_wmem's maximum (4 MiB,
@@ -38,23 +39,21 @@ class EngineStream:
     """One request submitted to the engine; iterate it for RequestOutputs (of its ``n`` answers,
     interleaved, ``index`` telling them apart) until all have finished or one failed."""
 
-    def __init__(self, engine, model_name: str, prompt_ids: list[int], params: SamplingParams,
-                 tenant: str = DEFAULT_TENANT, priority: str | None = None):
+    def __init__(self, engine, request: GenerationRequest):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
-        self._unfinished = params.n
-        self._record = record_for_stream(model_name, tenant)  # the request's metrics (api/metrics.py)
+        self._unfinished = request.params.n
+        self._record = record_for_stream(request.model, request.tenant)  # the request's metrics (api/metrics.py)
         try:
-            self.request_id = engine.submit(model_name, prompt_ids, params, self._on_output, tenant=tenant,
-                                            priority=priority)
+            self.request_id = engine.submit(request, self._on_output)
         except ValueError as e:
             raise bad_request(str(e)) from None
         except EngineFailed as e:
             raise engine_failed(e) from None
         except KeyError:  # unloaded between the lease and the submit: only while the daemon stops
-            raise ApiError(503, f'model "{model_name}" was unloaded; retry', retry_after_s=1) from None
+            raise ApiError(503, f'model "{request.model}" was unloaded; retry', retry_after_s=1) from None
 
     def _on_output(self, out: RequestOutput) -> None:  # engine thread
         try:
@@ -120,23 +119,33 @@ class Timings:
         }
 
 
-def usable_context(engine, model_name: str, context_length: int, prompt_ids: list[int],
-                   num_ctx: int | None = None) -> int:
-    """Tokens this request may reach: the model's context, or less (num_ctx, the model's KV pool).
+def lease_limits(lease, tenant: str) -> tuple[ModelLimits, int | None]:
+    """The leased model's limits from its engine's latest snapshot, and the tenant's kv_limit in bytes."""
+    engine = lease.engine
+    stats = engine.stats()
+    model_stats = stats.models.get(lease.entry.name)
+    if model_stats is None:  # unloaded between the lease and now: only while the daemon stops or a worker died
+        raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
+    config = lease.model.config
+    limits = model_limits(config.context_length, config.vocab_size, model_stats, stats.max_num_seqs)
+    policy = engine.tenant_policies.get(tenant) or TenantPolicy(tenant)
+    return limits, policy.limit_bytes(limits.bytes_per_token)
 
-    400 when the prompt alone does not fit.
-    """
-    if not prompt_ids:
-        raise bad_request("the prompt is empty after tokenisation")
-    context = min(context_length, num_ctx or context_length)
-    if len(prompt_ids) >= context:
-        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, longer than the context of {context} tokens")
-    stats = engine.stats().models.get(model_name)
-    pool_tokens = stats.blocks_total * stats.block_size if stats else context
-    if len(prompt_ids) >= pool_tokens:
-        raise bad_request(f"the prompt is {len(prompt_ids)} tokens, more than this model's KV cache holds "
-                          f"({pool_tokens} tokens; raise memory.kv_budget)")
-    return min(context, pool_tokens)
+
+def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
+                    num_ctx: int | None = None, clip: bool = False,
+                    field_names: dict[str, str] | None = None) -> GenerationRequest:
+    """The one GenerationRequest for this request, its max_tokens fixed by engine/request.check_request
+    (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
+    the dialect) when it can never run."""
+    limits, tenant_limit_bytes = lease_limits(lease, tenant)
+    try:
+        fixed = check_request(prompt_ids, params, limits, num_ctx=num_ctx, tenant_limit_bytes=tenant_limit_bytes,
+                              tenant=tenant, priority=priority, clip=clip)
+    except RequestError as e:
+        raise bad_request(str(e), param=(field_names or {}).get(e.field, e.field)) from None
+    return GenerationRequest(lease.entry.name, prompt_ids, replace(params, max_tokens=fixed.max_tokens), tenant,
+                             priority)
 
 
 def make_sampling_params(field_names: dict[str, str] | None = None, **kwargs) -> SamplingParams:

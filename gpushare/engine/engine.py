@@ -20,22 +20,23 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.engine_stats import EngineStats, engine_stats, tenant_stats
+from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, tenant_stats
 from gpushare.engine.kv_cache import BlockPool, KVCacheBusy
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.sampling import SamplingFailure, SamplingParams
+from gpushare.engine.request import EmbedRequest, GenerationRequest, check_embed, check_request, model_limits
 from gpushare.engine.request_checks import new_sequence
+from gpushare.engine.sampling import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
-from gpushare.engine.tenants import TenantLedger, TenantPolicy, TenantStats
+from gpushare.engine.tenants import DEFAULT_TENANT, TenantLedger, TenantPolicy, TenantStats
 from gpushare.models.loader import LoadedModel, return_freed_memory
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,36 @@ class EngineConfig:
 
 
 @dataclass
+class Submit:
+    seq: Sequence
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class Embed:
+    model_name: str
+    seqs: list[Sequence]
+    future: Future
+    done: tuple = ()  # the vectors of the inputs before ``seqs``
+
+
+@dataclass
+class Call:
+    """Run ``fn`` on the engine thread; its result or exception goes to ``future``."""
+    fn: Callable
+    future: Future
+
+
+@dataclass
+class Wake:
+    """Nothing to do: wakes an idle loop (to stop)."""
+
+
+@dataclass
 class ModelWorker:
     name: str
     loaded: LoadedModel
@@ -85,6 +116,7 @@ class Engine:
         self.workers: dict[str, ModelWorker] = {}  # mutated only on the engine thread
         self.requests: dict[str, Sequence] = {}
         self.ledger = TenantLedger()
+        self.tenant_policies: dict[str, TenantPolicy] = {}
         self.kv_pool = DeviceKVPool(self.config.kv_cache_bytes, self.config.device, self.config.kv_slab_blocks)
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device)
         self._idle_since_s: dict[int, float] = {}  # kv_sharing.shed_idle_models' memory
@@ -93,8 +125,12 @@ class Engine:
         self.steps = 0
         self.last_tick_s = time.monotonic()
         self.on_step: Callable[["Engine"], None] | None = None  # test hook: runs after every step
+        # Called on the engine thread with each new snapshot (a worker process forwards them).
+        self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
+        self.snapshot = EngineSnapshot(engine_stats(self), {}, self.last_tick_s, None)
         self._inbox: queue.Queue = queue.Queue()
         self._deferred: list = []  # inbox items taken during a paused step, handled after it
+        self._outputs: list[tuple[Sequence, RequestOutput]] = []  # made since the last _flush
         self._thread: threading.Thread | None = None
         self._pinned = threading.Event()
         self._stopping = False
@@ -111,7 +147,7 @@ class Engine:
     def shutdown(self) -> None:
         if self._thread is not None:
             self._stopping = True
-            self._inbox.put(("wake",))
+            self._inbox.put(Wake())
             self._thread.join()
             self._thread = None
 
@@ -152,44 +188,83 @@ class Engine:
             if name in self.workers:
                 self.workers[name].share_weight = share_weight
 
-        self._inbox.put(("call", apply, Future()))
+        self._post(apply)
+
+    def _post(self, fn) -> None:
+        """Run ``fn`` on the engine thread before its next step, not waiting for it (at once if not started)."""
+        if self.alive():
+            self._inbox.put(Call(fn, Future()))
+        else:
+            fn()
+            self._flush()
 
     def set_tenants(self, policies: list[TenantPolicy]) -> None:
-        """Replace the tenant policies (live: running requests keep their blocks)."""
+        """Replace the tenant policies before the next step (live: running requests keep their blocks)."""
         by_name = {p.name: p for p in policies}
-        self._run_on_engine(lambda: setattr(self.ledger, "policies", by_name))
+        self.tenant_policies = by_name  # what request() checks limits against, on the caller's side
+        self._post(lambda: setattr(self.ledger, "policies", by_name))
 
     def tenant_stats(self) -> dict[str, TenantStats]:
-        return tenant_stats(self.ledger, [w.scheduler for w in list(self.workers.values())])
+        """Per-tenant use, as of the latest snapshot."""
+        return self.snapshot.tenants
 
-    def submit(self, model_name: str, prompt_ids: list[int], params: SamplingParams,
-               on_output: Callable[[RequestOutput], None], request_id: str | None = None,
-               tenant: str = "default", priority: str | None = None) -> str:
-        """`priority` overrides the tenant's for this request (interactive or batch; None: the tenant's)."""
-        worker = self.workers.get(model_name)
+    def submit(self, request: GenerationRequest, on_output: Callable[[RequestOutput], None]) -> str:
+        """Queue ``request`` (its limits fixed by request.check_request); ``on_output`` gets its outputs on
+        the engine thread. KeyError if its model is not loaded; ValueError if its grammar does not compile."""
+        worker = self.workers.get(request.model)
         if worker is None:
-            raise KeyError(f"model {model_name!r} is not loaded")
-        if params.n > worker.scheduler.max_num_seqs:
-            raise ValueError(f"n must be at most engine.max_num_seqs ({worker.scheduler.max_num_seqs}), "
-                             f"got {params.n}")
-        seq = new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, prompt_ids, params,
-                           on_output, request_id, tenant, priority)
-        self._put_work(("submit", seq))
+            raise KeyError(f"model {request.model!r} is not loaded")
+        seq = new_sequence(worker.loaded, request, on_output)
+        self._put_work(Submit(seq))
         return seq.request_id
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    def embed(self, model_name: str, inputs: list[list[int]], tenant: str = "default") -> Future:
-        """A future of one vector per input; fails with KVCacheBusy when the KV it needs is held."""
+    def request(self, model_name: str, prompt_ids: list[int], params: SamplingParams, tenant: str = DEFAULT_TENANT,
+                priority: str | None = None, clip: bool = False) -> GenerationRequest:
+        """A checked request for a loaded model (request.check_request against this engine's latest
+        snapshot): what the offline API and in-process callers submit. ValueError says what is wrong."""
         worker = self.workers.get(model_name)
-        if worker is None:
+        stats = self.snapshot.stats.models.get(model_name)
+        if worker is None or stats is None:
             raise KeyError(f"model {model_name!r} is not loaded")
+        params.validate()
+        config = worker.loaded.config
+        limits = check_request(prompt_ids, params, model_limits(config.context_length, config.vocab_size, stats,
+                                                                self.config.max_num_seqs),
+                               tenant_limit_bytes=self._tenant_limit_bytes(tenant, stats), tenant=tenant,
+                               priority=priority,
+                               clip=clip)
+        if params.max_tokens != limits.max_tokens:
+            params = replace(params, max_tokens=limits.max_tokens)
+        return GenerationRequest(model_name, list(prompt_ids), params, tenant, priority)
+
+    def embed_request(self, model_name: str, inputs: list[list[int]], tenant: str = DEFAULT_TENANT) -> EmbedRequest:
+        """A checked embedding request for a loaded model (request.check_embed); ValueError says what is wrong."""
+        worker = self.workers.get(model_name)
+        stats = self.snapshot.stats.models.get(model_name)
+        if worker is None or stats is None:
+            raise KeyError(f"model {model_name!r} is not loaded")
+        config = worker.loaded.config
+        check_embed(inputs, model_limits(config.context_length, config.vocab_size, stats, self.config.max_num_seqs),
+                    self._tenant_limit_bytes(tenant, stats), tenant)
+        return EmbedRequest(model_name, [list(ids) for ids in inputs], tenant)
+
+    def _tenant_limit_bytes(self, tenant: str, stats) -> int | None:
+        policy = self.tenant_policies.get(tenant) or TenantPolicy(tenant)
+        return policy.limit_bytes(stats.block_bytes // stats.block_size)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(Cancel(request_id))
+
+    def embed(self, request: EmbedRequest) -> Future:
+        """A future of one vector per input; fails with KVCacheBusy when the KV it needs is held."""
+        worker = self.workers.get(request.model)
+        if worker is None:
+            raise KeyError(f"model {request.model!r} is not loaded")
         future: Future = Future()
         params = SamplingParams(max_tokens=1)
-        seqs = [new_sequence(worker.loaded, worker.scheduler.pool, self.ledger, model_name, ids, params,
-                             lambda out: None, None, tenant) for ids in inputs]
-        self._put_work(("embed", model_name, seqs, future))
+        seqs = [Sequence(f"{request.request_id}-{i}", request.model, list(ids), params, lambda out: None,
+                         request.tenant) for i, ids in enumerate(request.inputs)]
+        self._put_work(Embed(request.model, seqs, future))
         return future
 
     def _put_work(self, item) -> None:
@@ -199,19 +274,26 @@ class Engine:
             self._inbox.put(item)
 
     def has_work(self, model_name: str | None = None) -> bool:
-        workers = [self.workers[model_name]] if model_name in self.workers else (
-            [] if model_name else list(self.workers.values()))
-        return any(w.scheduler.has_work() for w in workers)
+        """Whether the model (or any) had requests running or waiting, as of the latest snapshot."""
+        models = self.snapshot.stats.models
+        chosen = [models[model_name]] if model_name in models else ([] if model_name else list(models.values()))
+        return any(m.running or m.waiting for m in chosen)
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
+        """Per-model batches and KV use, as of the latest snapshot."""
+        return self.snapshot.stats
 
     # ---- engine thread -------------------------------------------------------------------
     def _run_on_engine(self, fn):
-        if not self.alive() or threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread:
             return fn()
+        if not self.alive():
+            try:
+                return fn()
+            finally:
+                self._flush()
         future: Future = Future()
-        self._inbox.put(("call", fn, future))
+        self._inbox.put(Call(fn, future))
         return future.result()
 
     def _loop(self) -> None:
@@ -225,17 +307,34 @@ class Engine:
         while not self._stopping:
             try:
                 self.last_tick_s = time.monotonic()
-                self._drain_inbox(block=not self.has_work())
+                self._drain_inbox(block=self._pick_worker() is None)
                 self._run_urgent_prompts()
                 worker = self._pick_worker()
                 if worker is not None:
                     self._step(worker)
                 self._shed_idle()
+                self._flush()
             except Exception as e:
                 log.exception("the engine loop failed; it stops and fails every pending request")
                 self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
                                       f"restart the daemon")
                 return
+
+    def _flush(self) -> None:
+        """Publish a new snapshot, then deliver the outputs made since the last flush: whoever gets a
+        request's last output sees engine state that already includes its end. Other threads and
+        processes read only snapshots, never the engine's live state."""
+        workers = list(self.workers.values())
+        self.snapshot = EngineSnapshot(engine_stats(self), tenant_stats(self.ledger, [w.scheduler for w in workers]),
+                                       self.last_tick_s, self.failure)
+        if self.on_snapshot is not None:
+            self.on_snapshot(self.snapshot)
+        outputs, self._outputs = self._outputs, []
+        for seq, out in outputs:
+            try:
+                seq.on_output(out)
+            except Exception:  # a broken consumer must not stop the engine
+                log.exception("on_output callback failed for request %s", seq.request_id)
 
     def _borrow(self, requester: Scheduler) -> bool:
         """Scheduler.borrow: preempt another model's sequence for ``requester`` (kv_sharing.py)."""
@@ -272,16 +371,14 @@ class Engine:
             items.append(self._inbox.get_nowait())
         for item in items:
             self._fail_item(item, reason)
+        self._flush()
 
     def _fail_item(self, item, reason: str) -> None:
         """Answer an inbox item that will not be handled: its request ends with ``reason``."""
-        kind = item[0]
-        if kind == "submit":
-            self._emit(item[1], self._output(item[1], [], True, "error", reason))
-        elif kind in ("embed", "call"):
-            future = item[3] if kind == "embed" else item[2]
-            if not future.done():
-                future.set_exception(EngineFailed(reason))
+        if isinstance(item, Submit):
+            self._emit(item.seq, self._output(item.seq, [], True, "error", reason))
+        elif isinstance(item, (Embed, Call)) and not item.future.done():
+            item.future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
         deferred, self._deferred = self._deferred, []
@@ -304,15 +401,14 @@ class Engine:
         try:
             self._handle_item(item)
         except Exception as e:  # the item's own request fails, not the loop
-            log.exception("engine: handling a %s failed", item[0])
-            if item[0] == "submit":
-                self.requests.pop(item[1].request_id, None)
+            log.exception("engine: handling a %s failed", type(item).__name__)
+            if isinstance(item, Submit):
+                self.requests.pop(item.seq.request_id, None)
             self._fail_item(item, f"the engine could not take this request in: {type(e).__name__}: {e}")
 
     def _handle_item(self, item) -> None:
-        kind = item[0]
-        if kind == "submit":
-            seq = item[1]
+        if isinstance(item, Submit):
+            seq = item.seq
             worker = self.workers.get(seq.model_name)
             if worker is None:
                 self._emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
@@ -324,19 +420,18 @@ class Engine:
                 busy = [w.virtual_steps for w in self.workers.values() if w.scheduler.has_work()]
                 worker.virtual_steps = max(worker.virtual_steps, min(busy, default=0.0))
             worker.scheduler.add(seq)
-        elif kind == "cancel":
-            seq = self.requests.get(item[1])
+        elif isinstance(item, Cancel):
+            seq = self.requests.get(item.request_id)
             if seq is not None and seq.model_name in self.workers:
                 for answer in [seq, *seq.forks]:  # n > 1: every answer goes
                     self._finish(self.workers[seq.model_name], answer, "abort")
-        elif kind == "embed":
-            self._embed(*item[1:])
-        elif kind == "call":
-            fn, future = item[1], item[2]
+        elif isinstance(item, Embed):
+            self._embed(item)
+        elif isinstance(item, Call):
             try:
-                future.set_result(fn())
+                item.future.set_result(item.fn())
             except Exception as e:
-                future.set_exception(e)
+                item.future.set_exception(e)
 
     def _pick_worker(self) -> ModelWorker | None:
         busy = [w for w in self.workers.values() if w.scheduler.has_work()]
@@ -395,7 +490,7 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item[0] == "submit":
+            if isinstance(item, Submit):
                 self._handle(item)
             else:
                 self._deferred.append(item)
@@ -416,6 +511,7 @@ class Engine:
             batch = worker.scheduler.schedule_urgent(urgent)
             if batch.seqs:
                 self._run_step(worker, batch)
+                self._flush()  # an urgent prompt's first token goes out now, not after the step it paused
 
     def _advance_one(self, worker: ModelWorker, seq: Sequence, token: int | SamplingFailure) -> None:
         """Give ``seq`` its new token; a failure on this sequence (sampling, text) ends it alone."""
@@ -461,17 +557,15 @@ class Engine:
                              seq.prompt_logprobs if first_token else None, logprobs, seq.index)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
-        try:
-            seq.on_output(out)
-        except Exception:  # a broken consumer must not stop the engine
-            log.exception("on_output callback failed for request %s", seq.request_id)
+        self._outputs.append((seq, out))  # delivered by the next _flush
 
-    def _embed(self, model_name: str, seqs: list[Sequence], future: Future, done: tuple = ()) -> None:
+    def _embed(self, item: Embed) -> None:
         """One input per loop turn (the rest goes back to the inbox), so generation steps run between
         the inputs of a large embedding request."""
-        worker = self.workers.get(model_name)
+        seqs, future, done = item.seqs, item.future, item.done
+        worker = self.workers.get(item.model_name)
         if worker is None:
-            future.set_exception(KeyError(f"model {model_name!r} is not loaded"))
+            future.set_exception(KeyError(f"model {item.model_name!r} is not loaded"))
             return
         if not seqs:
             future.set_result([])
@@ -494,6 +588,6 @@ class Engine:
             future.set_exception(e)
             return
         if len(seqs) > 1:
-            self._deferred.append(("embed", model_name, seqs[1:], future, vectors))
+            self._deferred.append(Embed(item.model_name, seqs[1:], future, vectors))
         else:
             future.set_result(list(vectors))

@@ -1,7 +1,8 @@
-"""Snapshots of engine state for the API: per-model batches and KV use, per-tenant usage.
+"""Snapshots of engine state for the API: per-model batches and KV use, per-tenant usage, liveness.
 
-Built from the engine's plain state; read from other threads as a best-effort snapshot (lists
-are copied before they are walked, so a concurrent step never breaks the iteration)."""
+The engine builds one on its own thread after every loop turn (``Engine._publish``) and replaces
+the previous one whole; other threads and processes only ever read a finished snapshot, never the
+engine's live state. A worker process sends each one to the supervisor (engine/worker.py)."""
 
 from dataclasses import dataclass, field
 
@@ -31,12 +32,21 @@ class EngineStats:
     kv_pool_bytes: int = 0  # the device KV pool's size
     kv_committed_bytes: int = 0  # slabs handed out to models
     kv_dtype: str = ""
+    max_num_seqs: int = 0
+
+
+@dataclass
+class EngineSnapshot:
+    stats: EngineStats
+    tenants: dict[str, TenantStats]
+    last_tick_s: float  # time.monotonic() of the loop's latest turn (the clock is system-wide)
+    failure: str | None  # why the loop stopped for good, once it has
 
 
 def engine_stats(engine) -> EngineStats:
     pool = engine.kv_pool
     out = EngineStats(engine.steps, kv_pool_bytes=pool.capacity_bytes, kv_committed_bytes=pool.committed_bytes,
-                      kv_dtype=str(engine.kv_dtype).removeprefix("torch."))
+                      kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs)
     for name, w in list(engine.workers.items()):
         blocks = w.scheduler.pool
         out.models[name] = ModelStats(

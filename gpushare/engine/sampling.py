@@ -32,7 +32,7 @@ class SamplingFailure:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 256
+    max_tokens: int | None = None  # None: up to the end of the usable context (engine/request.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

@@ -196,6 +196,32 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"])
 
 
+def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu") -> LoadedModel:
+    """What a process that never runs the model needs of it: config, tokenizer, chat template, stop ids
+    and metadata, read without the weights (``model`` is None). ``weights`` names the format the model
+    was built in elsewhere (an engine worker process)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model not found: {path}")
+    if os.path.isdir(path):
+        raw = json.load(open(os.path.join(path, "config.json")))
+        config = config_from_hf(raw)
+        tokenizer, tok_cfg = tokenizer_from_dir(path)
+        template = tok_cfg.get("chat_template")
+        template_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(template_file):
+            template = open(template_file).read()
+        stop = _stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
+        info = _hf_info(path, raw, config, weights)
+    else:
+        meta, _ = open_gguf(path)
+        config = config_from_gguf(meta)
+        tokenizer = tokenizer_from_gguf(meta)
+        template = meta.get("tokenizer.chat_template")
+        stop = _stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
+        info = _gguf_info(meta, config, weights)
+    return LoadedModel(path, config, None, tokenizer, template, stop, resolve_dtype(dtype), device, info, weights)
+
+
 def return_freed_memory() -> None:
     """Give the OS back the heap that conversion copies left free: glibc keeps it otherwise (a
     SmolLM2 int8 load holds ~260 MiB more RSS without this). Other C libraries: nothing to do."""

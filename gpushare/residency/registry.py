@@ -48,6 +48,11 @@ class Lease:
     def model(self):
         return self.entry.model
 
+    @property
+    def engine(self):
+        """The engine (of the device) the model is loaded on."""
+        return self.entry.engine
+
 
 def _default_loader(path: str, dtype: str, device: str, progress, weights: str = "auto"):
     from gpushare.models.loader import load_model

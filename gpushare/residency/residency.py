@@ -58,6 +58,7 @@ class LoadedEntry:
     expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
     timer: asyncio.TimerHandle | None = None
     retired: bool = False  # its config entry is gone: takes no new request, unloads once idle
+    engine: object = None  # the engine of the device it is loaded on
 
     @property
     def name(self) -> str:
@@ -253,7 +254,8 @@ class Residency:
             await asyncio.gather(*[self.start_unload(self.loaded[v.name]) for v in victims])
         log.info("loaded model %s in %.2fs%s (%d bytes of weights)", source.name, load_s,
                  " from the warm tier" if warm else "", weight_bytes)
-        return LoadedEntry(source, model, weight_bytes, load_s, warm is not None, key, parameter_count)
+        return LoadedEntry(source, model, weight_bytes, load_s, warm is not None, key, parameter_count,
+                           engine=self.engine)
 
     def _load_blocking(self, source: ModelSource, warm, job: LoadJob):
         if warm is not None:
