@@ -237,7 +237,8 @@ def _model_device(raw: Any, engine: EngineSettings, key: str) -> str | None:
     return raw
 
 
-def _read_engine(raw: Any) -> EngineSettings:
+def read_engine(raw: Any) -> EngineSettings:
+    """The `engine:` section alone (gpushare node plan reads its devices)."""
     d = expect_mapping(raw, "engine")
     reject_unknown(d, {f.name for f in dataclasses.fields(EngineSettings)}, "engine.")
     e = EngineSettings()
@@ -314,7 +315,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     base_dir = base_dir or Path.cwd()
     s = Settings(
         server=_read_server(d.get("server")),
-        engine=_read_engine(d.get("engine")),
+        engine=read_engine(d.get("engine")),
         memory=_read_memory(d.get("memory")),
         node=_read_node(d.get("node")),
         prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
