@@ -180,3 +180,22 @@ def test_device_syntax_accepts_every_documented_form():
         "cuda:3", H100_UUIDS[0], "MIG-1d5f8a42-6c0e-5b2a-9f31-0a7d4c2b8e61", f"MIG-{A100_UUID}/7/0", "cpu", "cpu:0-3,8",
     ])] == [("cuda", 3, None), ("gpu", None, None), ("mig", None, None), ("mig", None, None), ("cpu", None, None),
             ("cpu", None, (0, 1, 2, 3, 8))]
+
+
+def test_per_node_cpu_workers_keep_to_the_process_affinity():
+    topology = read_topology(sysfs_root("xeon-2s-silver4108-8ve"))
+    plan = plan_workers(None, read_gpus(FakeNvml([])), topology, allowed_cpus=r(4, 11) + r(20, 27))
+    assert [(w.name, w.cpus, w.numa_node) for w in plan.workers] == [("cpu:4-7", r(4, 7), 0), ("cpu:8-11", r(8, 11), 1)]
+    assert plan.other_cpus == r(20, 27)
+    assert plan.notes == ["process affinity limits gpushare to CPUs 4-11,20-27", SIBLINGS_NOTE]
+
+
+def test_node_cpus_gives_the_cpu_workers_their_cpus():
+    topology = read_topology(sysfs_root("xeon-2s-silver4108-8ve"))
+    node = parse_node_settings({"cpus": "0-3"})
+    plan = plan_workers(None, read_gpus(FakeNvml([])), topology, node)
+    assert plan.workers == [WorkerPlan("cpu", "cpu", {}, r(0, 3), 4, 0)]  # one worker, as node.cpus says
+    assert plan.notes[0] == "node.cpus overrides the automatic choice: engines run on CPUs 0-3"
+    report, eight = h100_node()
+    mixed = plan_workers(["cuda:0", "cpu"], report, eight, parse_node_settings({"cpus": "0-3,8-11"}))
+    assert [(w.name, w.cpus) for w in mixed.workers] == [("cuda:0", [0, 1]), ("cpu", [2, 3, 8, 9, 10, 11])]

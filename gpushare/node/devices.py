@@ -132,10 +132,8 @@ def plan_workers(devices: list[str] | None, report: NvmlReport, topology: Topolo
 def _plan(units, cpu_entries: list[tuple[int, DeviceEntry]], topology: Topology, node: NodeSettings,
           allowed_cpus: list[int] | None) -> WorkerPlanSet:
     """units and cpu_entries carry their position in engine.devices, the order of the workers."""
-    allowed = _allowed(topology, allowed_cpus)
     notes: list[str] = []
-    if len(allowed) < len(topology.cpus):
-        notes.append(AFFINITY_NOTE.format(format_cpulist(allowed)))
+    allowed = _allowed(topology, allowed_cpus, notes)
     workers: list[tuple[int, WorkerPlan]] = []
     reserved: set[int] = set()
     for position, entry in cpu_entries:
@@ -193,7 +191,8 @@ def _plan(units, cpu_entries: list[tuple[int, DeviceEntry]], topology: Topology,
 
 def _auto_cpu(topology: Topology, node: NodeSettings, allowed_cpus: list[int] | None) -> WorkerPlanSet:
     """One CPU worker per NUMA node (memory stays local to each); one in all when node.cpus is set."""
-    allowed = _allowed(topology, allowed_cpus)
+    notes: list[str] = []
+    allowed = _allowed(topology, allowed_cpus, notes)
     nodes = {n: [cpu for cpu in cpus if cpu in allowed] for n, cpus in topology.numa_nodes.items()}
     nodes = {n: cpus for n, cpus in nodes.items() if cpus}
     if len(nodes) < 2 or node.cpus is not None:
@@ -201,19 +200,20 @@ def _auto_cpu(topology: Topology, node: NodeSettings, allowed_cpus: list[int] | 
         [engine] = pinning.engines
         worker = WorkerPlan("cpu", "cpu", {}, engine.cpus, engine.torch_threads, engine.numa_node)
         return WorkerPlanSet([worker], pinning.other_cpus, pinning.notes)
-    notes: list[str] = []
     workers = [_cpu_worker(topology, f"cpu:{format_cpulist(cpus)}", cpus)
                for cpus in (_one_thread_per_core(topology, members, notes) for members in nodes.values())]
     engine_cpus = {cpu for worker in workers for cpu in worker.cpus}
     return WorkerPlanSet(workers, spare_cpus(topology, allowed, engine_cpus, notes), notes)
 
 
-def _allowed(topology: Topology, allowed_cpus: list[int] | None) -> list[int]:
+def _allowed(topology: Topology, allowed_cpus: list[int] | None, notes: list[str]) -> list[int]:
     if allowed_cpus is None:
         return list(topology.cpus)
     allowed = sorted(set(topology.cpus) & set(allowed_cpus))
     if not allowed:
         raise ValueError(f"no online CPU is in this process's affinity ({format_cpulist(allowed_cpus)})")
+    if len(allowed) < len(topology.cpus):
+        notes.append(AFFINITY_NOTE.format(format_cpulist(allowed)))
     return allowed
 
 
@@ -237,7 +237,7 @@ def _cpu_worker(topology: Topology, name: str, cpus: list[int]) -> WorkerPlan:
 
 def _gpu_worker(gpu: Gpu, mig: MigDevice | None, pinning, node: NodeSettings) -> WorkerPlan:
     uuid = mig.uuid if mig else gpu.uuid
-    # A UUID is unambiguous for an MPS client too (an index would be renumbered by the MPS server).
+    # Also with MPS: without it, a worker whose daemon is down would fall back to seeing every GPU.
     env = {"CUDA_VISIBLE_DEVICES": uuid}
     if node.mps.enabled:
         env.update(MpsTarget(uuid, gpu.uuid, gpu.index, node.mps.root).client_env())
