@@ -122,3 +122,19 @@ def test_xid_watch_without_event_support_says_so_and_polls_nothing():
     assert watch.poll() == []
     no_driver = XidWatch([gpus[0].uuid], FakeNvml(gpus, init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
     assert no_driver.unchecked == ["Xid events: Driver Not Loaded"] and no_driver.poll() == []
+
+
+def test_this_machine_through_the_real_pynvml():
+    uuid = "GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1"  # not this machine's: NVML, if any, does not find it
+    health = read_health(None, uuid)
+    watch = XidWatch([uuid])
+    assert watch.poll() == []
+    watch.close()
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:  # no driver here: nothing known, nothing raised
+        assert health == DeviceHealth(True, [], [f"NVML is not available ({exc})"])
+        assert watch.unchecked == [f"Xid events: {exc}"]
+        return
+    pynvml.nvmlShutdown()
+    assert health == DeviceHealth(False, [f"{uuid}: Not Found"])
