@@ -62,13 +62,16 @@ class ModelEntry:
     weights: str | None = None  # weight format; None: engine.weights
     options: dict = field(default_factory=dict)  # default Ollama options (model_options.py), under a request's
     system: str | None = None  # default system prompt
+    device: str | None = None  # the one engine.devices entry it runs on; None: the daemon places it
+    replicas: int = 1  # copies on as many devices, each serving its share of requests
 
 
 @dataclass
 class EngineSettings:
     dtype: str = "auto"  # activations; auto: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
-    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu; steers devices=None only
+    devices: list[str] | None = None  # engine workers: cuda:N, GPU-/MIG- uuids, cpu, cpu:LIST; None: auto
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -144,7 +147,7 @@ def _read_origins(raw: Any, key: str) -> list[str]:
     return [o.strip() for o in items]
 
 
-def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
+def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[ModelEntry]:
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -154,7 +157,7 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
         key = f"models[{i}]"
         d = expect_mapping(item, key)
         reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights", "options",
-                           "system"}, key + ".")
+                           "system", "device", "replicas"}, key + ".")
         for required in ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
@@ -182,12 +185,60 @@ def _read_models(raw: Any, base_dir: Path) -> list[ModelEntry]:
             raise ConfigError(str(e)) from None
         if d.get("system") is not None and not isinstance(d["system"], str):
             raise ConfigError(f"{key}.system: must be a string, got {d['system']!r}")
+        device = _model_device(d.get("device"), engine, key)
+        replicas = positive_int(d.get("replicas", 1), f"{key}.replicas")
+        if replicas > 1 and device is not None:
+            raise ConfigError(f"{key}.replicas: a model pinned to one device ({key}.device) runs once, got {replicas}")
+        if engine.devices is not None and replicas > len(engine.devices):
+            raise ConfigError(f"{key}.replicas: at most one per device, and engine.devices names "
+                              f"{len(engine.devices)}, got {replicas}")
         entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight),
-                                  weights=weights, options=options, system=d.get("system"), **flags))
+                                  weights=weights, options=options, system=d.get("system"), device=device,
+                                  replicas=replicas, **flags))
     return entries
 
 
-def _read_engine(raw: Any) -> EngineSettings:
+def _read_devices(raw: Any) -> list[str] | None:
+    from gpushare.node.devices import parse_device
+
+    if raw == "auto":
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"engine.devices: must be auto or a non-empty list of devices, got {raw!r}")
+    taken: dict[int, str] = {}  # CPU -> the cpu:LIST entry holding it
+    for i, text in enumerate(raw):
+        key = f"engine.devices[{i}]"
+        try:
+            entry = parse_device(text)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        if text in raw[:i]:
+            raise ConfigError(f"{key}: {text!r} is listed twice")
+        for cpu in entry.cpus or ():
+            if cpu in taken:
+                raise ConfigError(f"{key}: CPU {cpu} is in {taken[cpu]} too; two workers cannot own one CPU")
+            taken[cpu] = text
+    return list(raw)
+
+
+def _model_device(raw: Any, engine: EngineSettings, key: str) -> str | None:
+    from gpushare.node.devices import parse_device
+
+    if raw is None:
+        return None
+    try:
+        entry = parse_device(raw)
+    except ValueError as e:
+        raise ConfigError(f"{key}.device: {e}") from None
+    if engine.devices is not None and raw not in engine.devices:
+        raise ConfigError(f"{key}.device: {raw!r} is not one of engine.devices ({', '.join(engine.devices)})")
+    if engine.devices is None and engine.device != "auto" and (entry.kind == "cpu") != (engine.device == "cpu"):
+        raise ConfigError(f"{key}.device: {raw!r} cannot run with engine.device {engine.device}")
+    return raw
+
+
+def read_engine(raw: Any) -> EngineSettings:
+    """The `engine:` section alone (gpushare node plan reads its devices)."""
     d = expect_mapping(raw, "engine")
     reject_unknown(d, {f.name for f in dataclasses.fields(EngineSettings)}, "engine.")
     e = EngineSettings()
@@ -197,6 +248,8 @@ def _read_engine(raw: Any) -> EngineSettings:
         e.weights = choice(d["weights"], WEIGHTS, "engine.weights")
     if "device" in d:
         e.device = choice(d["device"], DEVICES, "engine.device")
+    if "devices" in d:
+        e.devices = _read_devices(d["devices"])
     if "kv_dtype" in d:
         e.kv_dtype = choice(d["kv_dtype"], KV_DTYPES, "engine.kv_dtype")
         if e.kv_dtype == "float16" and e.device == "cpu":
@@ -262,7 +315,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     base_dir = base_dir or Path.cwd()
     s = Settings(
         server=_read_server(d.get("server")),
-        engine=_read_engine(d.get("engine")),
+        engine=read_engine(d.get("engine")),
         memory=_read_memory(d.get("memory")),
         node=_read_node(d.get("node")),
         prefix_cache_scope=read_prefix_cache(d.get("prefix_cache")),
@@ -272,7 +325,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
     s.ollama_models = ollama_stores(d.get("ollama_models"), env)
     s.tenants = read_tenants(d.get("tenants"), s.memory.kv_budget_bytes)
     if "models" in d:
-        s.models = _read_models(d["models"], base_dir)
+        s.models = _read_models(d["models"], base_dir, s.engine)
     else:
         s.models = [m for m in [bundled_model()] if m is not None]
     models_dir = env.get("GPUSHARE_MODELS") or d.get("models_dir") or DEFAULT_MODELS_DIR

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
-from node_fakes import XEON_GPUS, FakeGpu, FakeNvml, Recorded, ReplayRunner, recorded, sysfs_root  # noqa: E402
+from node_fakes import (XEON_GPUS, FakeGpu, FakeNvml, Recorded, ReplayRunner, h100_node_gpus, recorded,  # noqa: E402
+                        sysfs_root)
 
 from gpushare.node import commands  # noqa: E402
 from gpushare.node.commands import NodeContext  # noqa: E402
@@ -240,5 +241,31 @@ def test_config_file_errors_name_the_key(tmp_path, capsys):
     args = parser().parse_args(["node", "plan", "--config", str(config), "--json",
                                 "--sysfs-root", str(sysfs_root("i9-12900k-rtx4090"))])
     args.func(args)
-    notes = json.loads(capsys.readouterr().out)["pinning"]["notes"]
+    notes = json.loads(capsys.readouterr().out)["workers"]["notes"]
     assert notes[0] == "node.cpus overrides the automatic choice: engines run on CPUs 2-3"
+
+
+def test_plan_prints_one_line_per_engine_worker():
+    gpus = h100_node_gpus()
+    ctx = NodeContext(sysfs_root=str(sysfs_root("xeon-2s-8xh100")), runner=ReplayRunner({}), nvml=FakeNvml(gpus),
+                      devices=["cuda:0", "cuda:4", "cpu:12-15"])
+    code, out = run(commands.plan, ctx)
+    assert code == 0
+    assert out.split("\n# MIG")[0].splitlines() == [
+        "# Engine workers (engine.devices): one process each, started by the daemon",
+        f"  cuda:0: CUDA_VISIBLE_DEVICES={gpus[0].uuid}; CPUs 0-7 (8 torch threads, NUMA node 0, 79.6 GiB)",
+        f"  cuda:4: CUDA_VISIBLE_DEVICES={gpus[4].uuid}; CPUs 8-11 (4 torch threads, NUMA node 1, 79.6 GiB)",
+        "  cpu:12-15: no GPU; CPUs 12-15 (4 torch threads, NUMA node 1)",
+        "  HTTP and tokenisation: CPUs 16-31",
+        "  note: no spare core: HTTP and tokenisation run on the SMT siblings of engine cores"]
+    ctx.devices = ["cuda:8"]
+    code, out = run(commands.plan, ctx)
+    assert code == 2 and out.startswith("gpushare node plan: engine.devices: cuda:8: no such device; NVML sees ")
+
+
+def test_plan_reads_engine_devices_from_the_config(tmp_path, capsys):
+    config = tmp_path / "gpushare.yaml"
+    config.write_text("engine:\n  devices: [cuda:0, gpu1]\n")
+    args = parser().parse_args(["node", "plan", "--config", str(config)])
+    assert args.func(args) == 2
+    assert "engine.devices[1]: 'gpu1' is not a device; expected 'cuda:N'" in capsys.readouterr().err

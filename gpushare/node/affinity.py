@@ -28,6 +28,11 @@ from gpushare.node.settings import NodeSettings
 from gpushare.node.topology import Core, Topology, format_cpulist
 
 
+SIBLINGS_NOTE = "no spare core: HTTP and tokenisation run on the SMT siblings of engine cores"
+SHARED_NOTE = "no spare CPU: HTTP and tokenisation share the engine cores"
+AFFINITY_NOTE = "process affinity limits gpushare to CPUs {}"
+
+
 @dataclass(frozen=True)
 class EngineTarget:
     """What one engine drives: the CPU (no bus id), a GPU or a MIG instance (its GPU's bus id)."""
@@ -74,7 +79,7 @@ def plan_pinning(
         if not allowed:
             raise ValueError(f"no online CPU is in this process's affinity ({format_cpulist(allowed_cpus)})")
         if len(allowed) < len(topology.cpus):
-            notes.append(f"process affinity limits gpushare to CPUs {format_cpulist(allowed)}")
+            notes.append(AFFINITY_NOTE.format(format_cpulist(allowed)))
     if settings is not None and settings.cpus is not None:
         return _plan_from_override(topology, settings.cpus, targets, allowed, notes)
 
@@ -113,17 +118,22 @@ def plan_pinning(
         nodes = sorted({node for node, cpus in topology.numa_nodes.items() if set(engine.cpus) & set(cpus)})
         if len(nodes) > 1:
             notes.append(f"{engine.engine}: its CPUs span NUMA nodes {format_cpulist(nodes)}")
-    engine_cpus = {cpu for e in plan for cpu in e.cpus}
+    return PinningPlan(plan, spare_cpus(topology, allowed, {cpu for e in plan for cpu in e.cpus}, notes), notes)
+
+
+def spare_cpus(topology: Topology, allowed: list[int], engine_cpus: set[int], notes: list[str]) -> list[int]:
+    """CPUs for HTTP and tokenisation: cores no engine uses, else the SMT siblings of engine
+    cores, else (nothing else exists) the engine cores themselves."""
     busy_cores = {topology.core_of(cpu).cpus[0] for cpu in engine_cpus}
     other = [c for c in allowed if c not in engine_cpus and topology.core_of(c).cpus[0] not in busy_cores]
     if not other:
         other = [c for c in allowed if c not in engine_cpus]
         if other:
-            notes.append("no spare core: HTTP and tokenisation run on the SMT siblings of engine cores")
+            notes.append(SIBLINGS_NOTE)
     if not other:
         other = list(allowed)
-        notes.append("no spare CPU: HTTP and tokenisation share the engine cores")
-    return PinningPlan(plan, other, notes)
+        notes.append(SHARED_NOTE)
+    return other
 
 
 def _plan_from_override(topology, cpus, targets, allowed, notes) -> PinningPlan:

@@ -23,6 +23,7 @@ import yaml
 from gpushare.node import mig as mig_layout
 from gpushare.node import mps as mps_daemons
 from gpushare.node.affinity import PinningPlan, plan_pinning
+from gpushare.node.devices import WorkerPlanSet, plan_workers
 from gpushare.node.gpu import NvmlReport, engine_targets, read_gpus
 from gpushare.node.runner import NodeError, SubprocessRunner
 from gpushare.node.settings import NodeSettings, parse_node_settings
@@ -37,6 +38,8 @@ class NodeContext:
     nvml: object | None = None  # None: the real pynvml
     is_root: bool | None = None  # None: ask the OS
     allowed_cpus: list[int] | None = None  # None: this process's affinity when reading the live /sys
+    devices: list[str] | None = None  # engine.devices; None: auto
+    device: str = "auto"  # engine.device
     sleep: Callable[[float], None] = time.sleep
 
     def running_as_root(self) -> bool:
@@ -57,7 +60,7 @@ def add_node_parser(subparsers) -> argparse.ArgumentParser:
     node = subparsers.add_parser("node", help="prepare this node: CPU pinning, MIG, MPS")
     actions = node.add_subparsers(dest="node_command", required=True)
     for name, text in (("topo", "CPU cores (P/E/SMT), NUMA, GPUs with locality, MIG and MPS state"),
-                       ("plan", "what `apply` would do, as the commands it would run"),
+                       ("plan", "the engine workers the daemon would start, and what `apply` would run"),
                        ("apply", "apply MIG and MPS settings (needs root and node.manage: true)")):
         actions.add_parser(name, parents=[common], help=text).set_defaults(func=_handle)
     mps_parser = actions.add_parser("mps", parents=[common], help="MPS control daemons")
@@ -68,13 +71,17 @@ def add_node_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _handle(args) -> int:
+    from gpushare.config import read_engine
+
     try:
         raw = yaml.safe_load(Path(args.config).read_text()) if args.config else None
-        settings = parse_node_settings(raw.get("node") if isinstance(raw, dict) else None)
+        raw = raw if isinstance(raw, dict) else {}
+        settings = parse_node_settings(raw.get("node"))
+        engine = read_engine(raw.get("engine"))
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"gpushare node: config {args.config}: {exc}", file=sys.stderr)
         return 2
-    ctx = NodeContext(sysfs_root=args.sysfs_root, settings=settings)
+    ctx = NodeContext(sysfs_root=args.sysfs_root, settings=settings, devices=engine.devices, device=engine.device)
     if args.node_command == "mps":
         return mps(ctx, args.action, sys.stdout, gpu=args.gpu, as_json=args.json)
     return {"topo": topo, "plan": plan, "apply": apply}[args.node_command](ctx, sys.stdout, as_json=args.json)
@@ -101,7 +108,8 @@ def topo(ctx: NodeContext, out, as_json: bool = False) -> int:
 
 def plan(ctx: NodeContext, out, as_json: bool = False) -> int:
     try:
-        _, report, pinning = _survey(ctx)
+        topology, report, _ = _survey(ctx)
+        workers = plan_workers(ctx.devices, report, topology, ctx.settings, ctx.affinity(), ctx.device)
     except ValueError as exc:
         print(f"gpushare node plan: {exc}", file=out)
         return 2
@@ -130,11 +138,11 @@ def plan(ctx: NodeContext, out, as_json: bool = False) -> int:
     if not ctx.settings.mps.enabled and not report.cpu_mode:
         notes["mps"].append("node.mps.enabled is false: MPS is left as it is")
     if as_json:
-        json.dump({"pinning": asdict(pinning), "mig": {"commands": sections["mig"], "notes": notes["mig"]},
+        json.dump({"workers": asdict(workers), "mig": {"commands": sections["mig"], "notes": notes["mig"]},
                    "mps": {"commands": sections["mps"], "notes": notes["mps"]}, "errors": errors}, out, indent=2)
         print(file=out)
         return 1 if errors else 0
-    _print_pinning(pinning, out, title="# CPU pinning (the daemon applies it when it starts)")
+    _print_workers(workers, out)
     for key, title in (("mig", "# MIG (node.mig)"), ("mps", "# MPS (node.mps)")):
         print(f"\n{title}", file=out)
         for line in notes[key]:
@@ -318,12 +326,29 @@ def _print_gpus(topology: Topology, report: NvmlReport, mps_state, mps_notes, ou
         print(f"  note: {note}", file=out)
 
 
+def _print_workers(plan: WorkerPlanSet, out) -> None:
+    print("# Engine workers (engine.devices): one process each, started by the daemon", file=out)
+    for worker in plan.workers:
+        env = " ".join(f"{key}={value}" for key, value in worker.env.items()) or "no GPU"
+        memory = "" if worker.memory_total_bytes is None else f", {worker.memory_total_bytes / 2**30:.1f} GiB"
+        print(f"  {worker.name}: {env}; {_cpus_text(worker.cpus, worker.torch_threads, worker.numa_node, memory)}",
+              file=out)
+    _print_rest(plan.other_cpus, plan.notes, out)
+
+
 def _print_pinning(pinning: PinningPlan, out, title: str = "CPU pinning:") -> None:
     print(title, file=out)
     for engine in pinning.engines:
-        node = "" if engine.numa_node is None else f", NUMA node {engine.numa_node}"
-        print(f"  engine {engine.engine}: CPUs {format_cpulist(engine.cpus)} "
-              f"({engine.torch_threads} torch threads{node})", file=out)
-    print(f"  HTTP and tokenisation: CPUs {format_cpulist(pinning.other_cpus)}", file=out)
-    for note in pinning.notes:
+        print(f"  engine {engine.engine}: {_cpus_text(engine.cpus, engine.torch_threads, engine.numa_node)}", file=out)
+    _print_rest(pinning.other_cpus, pinning.notes, out)
+
+
+def _cpus_text(cpus: list[int], torch_threads: int, numa_node: int | None, extra: str = "") -> str:
+    node = "" if numa_node is None else f", NUMA node {numa_node}"
+    return f"CPUs {format_cpulist(cpus) or 'none'} ({torch_threads} torch threads{node}{extra})"
+
+
+def _print_rest(other_cpus: list[int], notes: list[str], out) -> None:
+    print(f"  HTTP and tokenisation: CPUs {format_cpulist(other_cpus)}", file=out)
+    for note in notes:
         print(f"  note: {note}", file=out)

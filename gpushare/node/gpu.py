@@ -82,16 +82,21 @@ def read_gpus(nvml=None) -> NvmlReport:
     return NvmlReport(True, f"{len(gpus)} GPU(s), NVIDIA driver {driver}", driver, gpus)
 
 
-def engine_targets(report: NvmlReport) -> list[EngineTarget]:
-    """One engine per GPU, or per MIG instance where MIG is on; [] means the CPU engine.
-    A MIG-enabled GPU without instances can run nothing, so it gets no engine."""
-    targets = []
+def compute_devices(report: NvmlReport) -> list[tuple[Gpu, MigDevice | None]]:
+    """What can run an engine: each GPU, or each MIG instance (with its GPU) where MIG is on.
+    A MIG-enabled GPU without instances can run nothing, so it is not listed."""
+    devices: list[tuple[Gpu, MigDevice | None]] = []
     for gpu in report.gpus:
         if gpu.mig_enabled:
-            targets += [EngineTarget(mig.uuid, gpu.pci_bus_id) for mig in gpu.mig_devices]
+            devices += [(gpu, mig) for mig in gpu.mig_devices]
         else:
-            targets.append(EngineTarget(gpu.uuid, gpu.pci_bus_id))
-    return targets
+            devices.append((gpu, None))
+    return devices
+
+
+def engine_targets(report: NvmlReport) -> list[EngineTarget]:
+    """One engine per GPU, or per MIG instance where MIG is on; [] means the CPU engine."""
+    return [EngineTarget(mig.uuid if mig else gpu.uuid, gpu.pci_bus_id) for gpu, mig in compute_devices(report)]
 
 
 def _read_gpu(nvml, index: int) -> Gpu:

@@ -61,7 +61,9 @@ class MpsTarget:
         return f"{self.directory}/log"
 
     def client_env(self) -> tuple[tuple[str, str], ...]:
-        """What a client sets to use this daemon (it must not set CUDA_VISIBLE_DEVICES)."""
+        """What a client sets to use this daemon. A client may also set CUDA_VISIBLE_DEVICES to this
+        target's UUID (the MIG guide's MPS example does; MPS's docs call UUIDs unambiguous), but
+        never to an index: the server renumbers the devices it sees from 0."""
         return (("CUDA_MPS_PIPE_DIRECTORY", self.pipe_dir), ("CUDA_MPS_LOG_DIRECTORY", self.log_dir))
 
     def daemon_env(self) -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,81 @@
+"""engine.devices, models[].device and models[].replicas: parsed, and refused with the key named."""
+
+import pytest
+
+from gpushare.config import ConfigError, parse_settings
+
+GPU0 = "GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1"  # of the 8xH100 capture
+MIG = "MIG-1d5f8a42-6c0e-5b2a-9f31-0a7d4c2b8e61"
+ACCEPTED = "expected 'cuda:N', a GPU UUID (GPU-...), a MIG UUID (MIG-...), 'cpu' or 'cpu:CPULIST' (e.g. cpu:0-3,8)"
+
+
+def settings(engine=None, models=None, tmp_path=None):
+    raw = {"engine": engine or {}}
+    if models is not None:
+        for model in models:
+            (tmp_path / "m.gguf").write_bytes(b"GGUF")
+            model.setdefault("path", str(tmp_path / "m.gguf"))
+        raw["models"] = models
+    return parse_settings(raw, env={})
+
+
+def refused(message, **kwargs):
+    with pytest.raises(ConfigError) as error:
+        settings(**kwargs)
+    assert str(error.value) == message
+
+
+def test_devices_default_to_auto_and_keep_engine_device():
+    s = settings({"device": "cpu"})
+    assert (s.engine.devices, s.engine.device) == (None, "cpu")
+    assert settings({"devices": "auto"}).engine.devices is None
+
+
+def test_a_list_of_every_form_is_kept_as_written():
+    devices = ["cuda:0", GPU0.replace("b42", "c42"), MIG, "MIG-GPU-4200ccc0-2667-d4cb-9137-f932c716232a/7/0",
+               "cpu:0-3,8", "cpu"]
+    assert settings({"devices": devices, "device": "cuda"}).engine.devices == devices
+
+
+def test_bad_entries_name_their_index_and_what_is_accepted():
+    refused(f"engine.devices[1]: 'gpu0' is not a device; {ACCEPTED}", engine={"devices": ["cuda:0", "gpu0"]})
+    refused(f"engine.devices[0]: 7 is not a device; {ACCEPTED}", engine={"devices": [7]})
+    refused(f"engine.devices[0]: 'cpu:4-' is not a device; {ACCEPTED}", engine={"devices": ["cpu:4-"]})
+    refused("engine.devices: must be auto or a non-empty list of devices, got []", engine={"devices": []})
+    refused("engine.devices: must be auto or a non-empty list of devices, got 'cuda:0'", engine={"devices": "cuda:0"})
+
+
+def test_duplicates_and_shared_cpus_are_refused():
+    refused("engine.devices[2]: 'cuda:1' is listed twice", engine={"devices": ["cuda:1", "cpu", "cuda:1"]})
+    refused("engine.devices[1]: CPU 3 is in cpu:0-3 too; two workers cannot own one CPU",
+            engine={"devices": ["cpu:0-3", "cpu:3-5"]})
+
+
+def test_model_device_and_replicas(tmp_path):
+    s = settings({"devices": ["cuda:0", "cuda:1", "cpu"]},
+                 [{"name": "a", "device": "cuda:1"}, {"name": "b", "replicas": 2}, {"name": "c"}], tmp_path)
+    assert [(m.name, m.device, m.replicas) for m in s.models] == [("a", "cuda:1", 1), ("b", None, 2), ("c", None, 1)]
+    auto = settings({}, [{"name": "a", "device": MIG, "replicas": 1}], tmp_path)
+    assert (auto.models[0].device, auto.models[0].replicas) == (MIG, 1)
+
+
+def test_model_device_must_be_one_of_the_listed_devices(tmp_path):
+    refused("models[0].device: 'cuda:2' is not one of engine.devices (cuda:0, cpu)",
+            engine={"devices": ["cuda:0", "cpu"]}, models=[{"name": "a", "device": "cuda:2"}], tmp_path=tmp_path)
+    refused(f"models[0].device: 'cuda' is not a device; {ACCEPTED}",
+            models=[{"name": "a", "device": "cuda"}], tmp_path=tmp_path)
+    refused("models[0].device: 'cuda:0' cannot run with engine.device cpu",
+            engine={"device": "cpu"}, models=[{"name": "a", "device": "cuda:0"}], tmp_path=tmp_path)
+    refused("models[0].device: 'cpu' cannot run with engine.device cuda",
+            engine={"device": "cuda"}, models=[{"name": "a", "device": "cpu"}], tmp_path=tmp_path)
+
+
+def test_replicas_must_be_positive_and_fit_the_devices(tmp_path):
+    refused("models[0].replicas: must be a positive integer, got 0", models=[{"name": "a", "replicas": 0}],
+            tmp_path=tmp_path)
+    refused("models[0].replicas: must be a positive integer, got True", models=[{"name": "a", "replicas": True}],
+            tmp_path=tmp_path)
+    refused("models[0].replicas: a model pinned to one device (models[0].device) runs once, got 2",
+            models=[{"name": "a", "replicas": 2, "device": "cuda:0"}], tmp_path=tmp_path)
+    refused("models[0].replicas: at most one per device, and engine.devices names 2, got 3",
+            engine={"devices": ["cuda:0", "cuda:1"]}, models=[{"name": "a", "replicas": 3}], tmp_path=tmp_path)
