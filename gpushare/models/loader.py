@@ -160,13 +160,19 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
         done += os.path.getsize(f)
         if progress is not None:
             progress(done, total)
+    tokenizer, template, stop = _hf_text_side(path, raw)
+    return config, state, tokenizer, template, stop, _hf_info(path, raw, config, weights)
+
+
+def _hf_text_side(path: str, raw: dict):
+    """A Hugging Face folder's tokenizer, chat template and stop ids."""
     tokenizer, tok_cfg = tokenizer_from_dir(path)
     template = tok_cfg.get("chat_template")
     template_file = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(template_file):
         template = open(template_file).read()
     stop = _stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
-    return config, state, tokenizer, template, stop, _hf_info(path, raw, config, weights)
+    return tokenizer, template, stop
 
 
 def _ids(value) -> list:
@@ -205,12 +211,7 @@ def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu
     if os.path.isdir(path):
         raw = json.load(open(os.path.join(path, "config.json")))
         config = config_from_hf(raw)
-        tokenizer, tok_cfg = tokenizer_from_dir(path)
-        template = tok_cfg.get("chat_template")
-        template_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(template_file):
-            template = open(template_file).read()
-        stop = _stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
+        tokenizer, template, stop = _hf_text_side(path, raw)
         info = _hf_info(path, raw, config, weights)
     else:
         meta, _ = open_gguf(path)
