@@ -25,12 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.model_files
 
-from gpushare.api.streaming import EngineStream  # noqa: E402
+from gpushare.api.streaming import EngineStream, checked_request  # noqa: E402
 from gpushare.config import ModelEntry, Settings  # noqa: E402
 from gpushare.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes  # noqa: E402
 from gpushare.residency.registry import Registry  # noqa: E402
 from gpushare.engine.sampling import SamplingParams  # noqa: E402
+from gpushare.residency.devices import LocalDevice
 
 KV_BUDGET = 48 << 20  # the engine's KV pool, shared by the loaded models (counted once in the budget)
 TOPICS = ["the ocean", "volcanoes", "tea", "bridges", "black holes", "honey bees"]
@@ -45,7 +46,7 @@ def make_registry(engine, models: dict[str, str], budget_bytes: int, host_cache_
     settings.memory.max_loaded_models = 3
     settings.memory.host_cache_bytes = host_cache_bytes
     settings.server.max_queued = 64
-    return Registry(engine, settings, device=device, dtype=dtype)
+    return Registry({device: LocalDevice(engine)}, settings, dtype=dtype)
 
 
 async def timed(coro) -> float:
@@ -90,7 +91,7 @@ async def mixed_traffic(engine, models: dict[str, str], budget_bytes: int, clien
             model = lease.model
             ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": f"Tell me about {topic}."}]),
                                          add_special_tokens=False)
-            with EngineStream(engine, lease.entry.name, ids, params) as stream:
+            with EngineStream(lease.engine, checked_request(lease, ids, params, "default", None)) as stream:
                 async for out in stream:
                     tokens += len(out.token_ids)
 

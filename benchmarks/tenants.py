@@ -59,7 +59,7 @@ def daemon_config(args, port: int, models_dir: Path) -> dict:
         "models": [{"name": "bench", "path": args.model_path, "preload": True, "keep_alive": -1}],
         "models_dir": str(models_dir),  # empty: only the benchmark's model
         "engine": {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens},
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "isolation": args.isolation},
         "memory": {"kv_budget": args.kv_budget, "max_loaded_models": 1},
         "tenants": [
             {"name": "flood", "api_keys": [KEYS["flood"]], "priority": args.flood_priority,
@@ -81,6 +81,32 @@ def start_daemon(config_of, workdir: Path) -> tuple[subprocess.Popen, str, Path]
     return proc, f"http://127.0.0.1:{port}", log
 
 
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def wait_until_ready(proc: subprocess.Popen, base_url: str, log: Path, models: list[str]) -> None:
+    """Until every one of `models` is loaded (they preload)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                async with session.get(base_url + "/api/ps") as resp:
+                    loaded = {m["name"] for m in (await resp.json()).get("models", [])}
+                if set(models) <= loaded:
+                    return
+            except (aiohttp.ClientError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the daemon did not load {models} within {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+
+
 async def tenant_row(session: aiohttp.ClientSession, base_url: str, tenant: str) -> dict | None:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
     async with session.get(base_url + "/api/ps", headers=headers) as resp:
@@ -88,21 +114,6 @@ async def tenant_row(session: aiohttp.ClientSession, base_url: str, tenant: str)
     if not any(m["name"] == "bench" for m in data.get("models", [])):
         return None
     return data["tenants"][0]
-
-
-async def wait_ready(proc: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if await tenant_row(session, base_url, "chat") is not None:
-                    return
-            except (aiohttp.ClientError, ValueError):
-                pass
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the daemon did not load the model within {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
 
 
 def chat_body(prompt: str, max_tokens: int) -> dict:
@@ -170,7 +181,7 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         proc, base_url, log = start_daemon(lambda port, models_dir: daemon_config(args, port, models_dir), Path(tmp))
         try:
-            await wait_ready(proc, base_url, log)
+            await wait_until_ready(proc, base_url, log, ["bench"])
             async with session_for("chat") as session:  # warm-up: first-call costs out of the numbers
                 await stream_one(session, base_url + "/v1/chat/completions", chat_body(prompt_of(0), 2))
             alone = await chat_ttfts(base_url, args, 1)
@@ -191,11 +202,7 @@ async def run(args) -> dict:
             flooding.cancel()
             await asyncio.gather(flooding, return_exceptions=True)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_daemon(proc)
     alone_ms, flood_ms = summarize_ms(alone), summarize_ms(under_flood)
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json_out"},
@@ -265,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-requests", type=int, default=32)
     p.add_argument("--chat-tokens", type=int, default=8)
     p.add_argument("--chat-gap-s", type=float, default=0.2)
+    p.add_argument("--isolation", default="process", choices=["process", "thread"],
+                   help="engine.isolation: the engine in a worker process (default) or a thread of the daemon")
     p.add_argument("--json-out", help="also write the result as JSON here")
     args = parse_with_model(p, argv)
     if args.flood_concurrency is None:

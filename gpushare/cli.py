@@ -65,13 +65,16 @@ def cmd_ps(args) -> int:
         else:
             until_text = human_delta(until)
         processor = "100% GPU" if m["size_vram"] else "100% CPU"
+        device = m.get("device", "") + ("" if m.get("device_healthy", True) else " (unhealthy)")
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
-                     until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}",
-                     f"{m['running']}/{m['queued']}"])
+                     until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
+                     device, str(m.get("worker_pid") or "")])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}"])
-    print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED"]))
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", ""])
+    # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
+    print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
+                       "WORKER PID"]))
     return 0
 
 

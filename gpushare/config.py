@@ -72,6 +72,7 @@ class EngineSettings:
     weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu; steers devices=None only
     devices: list[str] | None = None  # engine workers: cuda:N, GPU-/MIG- uuids, cpu, cpu:LIST; None: auto
+    isolation: str = "process"  # each device's engine in a worker process | "thread": in the daemon
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -250,6 +251,8 @@ def read_engine(raw: Any) -> EngineSettings:
         e.device = choice(d["device"], DEVICES, "engine.device")
     if "devices" in d:
         e.devices = _read_devices(d["devices"])
+    if "isolation" in d:
+        e.isolation = choice(d["isolation"], ("process", "thread"), "engine.isolation")
     if "kv_dtype" in d:
         e.kv_dtype = choice(d["kv_dtype"], KV_DTYPES, "engine.kv_dtype")
         if e.kv_dtype == "float16" and e.device == "cpu":

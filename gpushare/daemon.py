@@ -1,13 +1,15 @@
-"""The daemon's life cycle: settings -> engine -> registry -> HTTP; systemd notifications,
+"""The daemon's life cycle: settings -> engine workers -> registry -> HTTP; systemd notifications,
 SIGHUP reloads (gpushare/lifecycle.py), drain and stop on SIGINT/SIGTERM.
 
-One Engine, started once, serves every model; the registry loads models into it on
-demand. Start: HTTP listens at once (/health, /ready answer 503 "starting"), the
-configured models preload (each announced to systemd with EXTEND_TIMEOUT_USEC), then
-READY=1. A watchdog thread sends WATCHDOG=1 while the engine loop ticks. On the first
-SIGINT/SIGTERM: STOPPING=1, /ready and every new request answer 503, in-flight requests
-get `server.drain_timeout` to finish, then the rest are cancelled (their streams end with
-an error chunk), models are unloaded and the engine thread stops; exit 0. A second
+This process is the supervisor: HTTP, tenants, the registry, placement, the node. Engines run in
+worker processes, one per device of the worker plan (engine.devices: node/devices.py), started
+at once and restarted when they die (residency/device_supervisor.py); the registry loads models
+into them on demand. Start: the workers start, HTTP listens (/health, /ready answer 503
+"starting"), the configured models preload (each announced to systemd with
+EXTEND_TIMEOUT_USEC), then READY=1. A watchdog thread sends WATCHDOG=1 while no running engine
+is stalled. On the first SIGINT/SIGTERM: STOPPING=1, /ready and every new request answer 503,
+in-flight requests get `server.drain_timeout` to finish, then the rest are cancelled (their
+streams end with an error chunk), models are unloaded and the workers stop; exit 0. A second
 signal skips the drain.
 """
 
@@ -24,9 +26,11 @@ from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
 from gpushare.config import ConfigError, Settings, parse_host
+from gpushare.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
+from gpushare.residency.device_supervisor import DeviceSupervisor
+from gpushare.residency.node_engines import NodeEngines
 from gpushare.residency.registry import ModelLoadError, Registry, RegistryFull
-from gpushare.lifecycle import (Reloader, Signals, engine_stall_limit_s, install_test_stall, report_status,
-                                status_line)
+from gpushare.residency.worker_client import WorkerClient, WorkerDied
 from gpushare.service import notify
 from gpushare.service.logs import setup_logging
 
@@ -47,11 +51,12 @@ def resolve_device(setting: str) -> str:
 
 
 def check_kv_dtype(settings: Settings) -> None:
-    """ConfigError when engine.kv_dtype is one the device the daemon would run on cannot store."""
+    """ConfigError when engine.kv_dtype is one a device the daemon would run on cannot store."""
     from gpushare.engine.kv_pool import resolve_kv_dtype
 
     try:
-        resolve_kv_dtype(settings.engine.kv_dtype, resolve_device(settings.engine.device))
+        for worker in plan_workers(settings).workers:
+            resolve_kv_dtype(settings.engine.kv_dtype, worker.torch_device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -62,36 +67,47 @@ def resolve_dtype(setting: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def plan_engine_pinning(settings: Settings, device: str):
-    """The engine thread's CPUs: physical P-cores local to its GPU (or any, on CPU); the rest elsewhere."""
-    from gpushare.node.affinity import EngineTarget, apply_thread_affinity, plan_pinning
-    from gpushare.node.gpu import engine_targets, read_gpus
+def plan_workers(settings: Settings):
+    """One engine worker per device of engine.devices, with its environment and CPUs (node/devices.py)."""
+    from gpushare.node.devices import plan_workers as plan
+    from gpushare.node.gpu import read_gpus
     from gpushare.node.topology import read_topology
 
-    targets = [EngineTarget("cpu")]
-    if device.startswith("cuda"):
-        targets = engine_targets(read_gpus())[:1] or targets
-    plan = plan_pinning(read_topology("/"), settings.node, engines=targets, allowed_cpus=sorted(os.sched_getaffinity(0)))
-    for note in plan.notes:
-        log.info("pinning: %s", note)
-    # HTTP, tokenisation and every thread started from here on go to the other CPUs.
-    apply_thread_affinity(plan.other_cpus)
-    return plan.engines[0]
+    device = settings.engine.device
+    if settings.engine.devices is None and device == "auto":
+        device = resolve_device(device)
+    return plan(settings.engine.devices, read_gpus(), read_topology("/"), settings.node,
+                sorted(os.sched_getaffinity(0)), device)
 
 
-def start_engine(settings: Settings, device: str = "cpu"):
-    from gpushare.engine.engine import Engine, EngineConfig
+def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
+    from gpushare.engine.engine import EngineConfig
+    from gpushare.engine.worker_messages import WorkerSpec
 
     e = settings.engine
-    pinning = plan_engine_pinning(settings, device)
-    engine = Engine(EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                                 block_size=e.block_size, num_threads=e.num_threads or pinning.torch_threads,
-                                 prefix_cache=settings.prefix_cache_scope, cpus=pinning.cpus, device=device,
-                                 kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype))
-    engine.start()
-    log.info("engine thread %d pinned to CPUs %s, %d torch threads", engine.thread_native_id,
-             ",".join(map(str, pinning.cpus)), engine.config.num_threads)
-    return engine
+    clients = {}
+    for plan in plans.workers:
+        config = EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                              block_size=e.block_size, num_threads=e.num_threads or plan.torch_threads,
+                              prefix_cache=settings.prefix_cache_scope, cpus=plan.cpus, device=plan.torch_device,
+                              kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype)
+        clients[plan.name] = WorkerClient(WorkerSpec(plan.name, config), plan.env, settings.memory.kv_budget_bytes)
+    return clients
+
+
+def engine_threads(settings: Settings, plans) -> dict:
+    """engine.isolation: thread: each device's engine on a thread of this process (no isolation)."""
+    from gpushare.engine.engine import Engine
+    from gpushare.residency.devices import LocalDevice
+
+    from gpushare.engine.test_hooks import install_test_stall
+
+    devices = {}
+    for name, client in worker_clients(settings, plans).items():
+        engine = Engine(client.config)
+        install_test_stall(engine)
+        devices[name] = LocalDevice(engine, name=name)
+    return devices
 
 
 async def start_http(app: web.Application, settings: Settings) -> web.AppRunner:
@@ -159,17 +175,40 @@ async def drain(runner: web.AppRunner, ctx: ApiContext, force: asyncio.Event) ->
 
 
 async def serve(settings: Settings) -> None:
-    device = resolve_device(settings.engine.device)
-    dtype = resolve_dtype(settings.engine.dtype, device)
-    log.info("engine on %s (%s activations, %s weights); models: %s; models_dir: %s", device, dtype,
-             settings.engine.weights,
+    from gpushare.node.affinity import apply_thread_affinity
+
+    plans = plan_workers(settings)
+    for note in plans.notes:
+        log.info("pinning: %s", note)
+    # HTTP, tokenisation and every thread started from here on go to the CPUs no engine has.
+    apply_thread_affinity(plans.other_cpus)
+    kinds = {p.torch_device for p in plans.workers}
+    dtype = resolve_dtype(settings.engine.dtype, "cuda" if "cuda" in kinds else "cpu")
+    log.info("engine workers on %s (%s activations, %s weights); models: %s; models_dir: %s",
+             ", ".join(p.name for p in plans.workers), dtype, settings.engine.weights,
              ", ".join(m.name for m in settings.models) or "none configured", settings.models_dir)
-    engine = start_engine(settings, device)
-    install_test_stall(engine)
+    clients = worker_clients(settings, plans) if settings.engine.isolation == "process" else \
+        engine_threads(settings, plans)
+    supervisor = DeviceSupervisor(clients, {p.name: p.mig_uuid or p.gpu_uuid for p in plans.workers})
+    await supervisor.start()
+    try:
+        await serve_with(settings, supervisor, plans, dtype)
+    finally:
+        await supervisor.close()
+        log.info("stopped")
+
+
+async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dtype: str) -> None:
+    devices = supervisor.clients
+    registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name)
+    registry.residency.is_healthy = supervisor.healthy
+    engines = NodeEngines(devices)
     watchdog_s = notify.watchdog_interval_s()
-    ctx = ApiContext(engine, Registry(engine, settings, device=device, dtype=dtype), settings,
-                     engine_stall_s=engine_stall_limit_s(watchdog_s))
-    watchdog = notify.Watchdog(lambda: engine_alive(engine, ctx.engine_stall_s), watchdog_s)
+    ctx = ApiContext(engines, registry, settings, engine_stall_s=engine_stall_limit_s(watchdog_s),
+                     supervisor=supervisor)
+    supervisor.on_lost = registry.forget_device
+    supervisor.on_back = lambda name: device_back(ctx, name)
+    watchdog = notify.Watchdog(lambda: engine_alive(engines, ctx.engine_stall_s), watchdog_s)
     watchdog.start()
     reloader = Reloader(ctx)
     signals = Signals(reloader.request)
@@ -184,8 +223,12 @@ async def serve(settings: Settings) -> None:
             await drain(runner, ctx, signals.force)
     finally:
         watchdog.stop()
-        engine.shutdown()
-        log.info("stopped")
+
+
+def device_back(ctx: ApiContext, name: str) -> None:
+    """A restarted worker: the live tenant policies again, then the preload and pinned models it is for."""
+    ctx.supervisor.clients[name].set_tenants(list(ctx.engine.tenant_policies.values()))
+    ctx.registry.device_back(name)
 
 
 def run(settings: Settings) -> int:
@@ -195,6 +238,10 @@ def run(settings: Settings) -> int:
     except OSError as e:  # the port is taken, typically
         log.error("cannot serve on %s: %s", settings.server.host, e.strerror or e)
         notify.status(f"failed: cannot serve on {settings.server.host}: {e.strerror or e}")
+        return 1
+    except WorkerDied as e:  # an engine worker could not start
+        log.error("%s", e)
+        notify.status(f"failed: {e}")
         return 1
     except (ModelLoadError, RegistryFull) as e:  # a preload failed
         log.error("%s", e)

@@ -11,16 +11,14 @@ and the test-only engine stall.
   MONOTONIC_USEC) before and READY=1 after every reload, failed or not.
 - `status_line`: the one-line summary `systemctl status` shows, sent every few seconds
   when it changed.
-- GPUSHARE_TEST_STALL_FILE (tests only): see `install_test_stall`.
+- GPUSHARE_TEST_STALL_FILE (tests only): see engine/test_hooks.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import time
 from typing import Callable
 
 from gpushare.api.context import ApiContext
@@ -34,7 +32,6 @@ log = logging.getLogger("gpushare.daemon")
 STATUS_INTERVAL_S = 2.0
 DEFAULT_ENGINE_STALL_S = 30.0  # without a systemd watchdog: when /health calls the engine stalled
 MIN_ENGINE_STALL_S = 2.0  # a busy step (a long prefill on CPU) must not count as a stall
-TEST_STALL_ENV = "GPUSHARE_TEST_STALL_FILE"
 
 
 def engine_stall_limit_s(watchdog_interval_s: float | None) -> float:
@@ -78,7 +75,11 @@ def status_line(ctx: ApiContext, reload_error: str | None) -> str:
     if ctx.engine.failure:
         text += f"; ENGINE FAILED: {ctx.engine.failure}"
     elif not engine_alive(ctx.engine, ctx.engine_stall_s):
-        text += f"; ENGINE LOOP STALLED for {time.monotonic() - ctx.engine.last_tick_s:.0f}s"
+        stalled = ctx.engine.stalled(ctx.engine_stall_s)
+        text += f"; ENGINE LOOP STALLED on {', '.join(stalled)}"
+    down = [name for name, status in ctx.supervisor.status.items() if not status.healthy] if ctx.supervisor else []
+    if down:
+        text += f"; DEVICE UNHEALTHY: {', '.join(down)}"
     if reload_error:
         text += f"; config reload FAILED, still serving the previous config: {reload_error}"
     return text
@@ -189,29 +190,3 @@ class Reloader:
                 log.info("config reloaded: %d models configured, %d tenants",
                          len(new.models), len(new.tenants))
         notify.ready(status_line(self.ctx, self.error))
-
-
-def install_test_stall(engine) -> None:
-    """TEST ONLY: with GPUSHARE_TEST_STALL_FILE=PATH in the environment, the engine thread sleeps
-    after each step for as long as PATH exists, so tests can stall the engine loop and watch the
-    watchdog pings stop, /health fail, and requests wait. A PATH that reads "raise" makes the next
-    step's hook raise instead: the engine loop fails for good (engine.py). Not set: nothing is
-    installed."""
-    path = os.environ.get(TEST_STALL_ENV)
-    if not path:
-        return
-    log.warning("TEST HOOK %s=%s: the engine stalls after each step while that file exists",
-                TEST_STALL_ENV, path)
-
-    def stall_while_file_exists(_engine) -> None:
-        while True:
-            try:
-                with open(path) as f:
-                    order = f.read().strip()
-            except OSError:  # gone: run on
-                return
-            if order == "raise":
-                raise RuntimeError("test hook: an engine failure outside the model step")
-            time.sleep(0.05)
-
-    engine.on_step = stall_while_file_exists

@@ -3,7 +3,7 @@
 import os
 import re
 
-from daemon_fixture import serving
+from daemon_fixture import http, serving
 from gpushare.node.affinity import plan_pinning
 from gpushare.node.settings import parse_node_settings
 from gpushare.node.topology import parse_cpulist, read_topology
@@ -24,4 +24,6 @@ def test_engine_thread_affinity_matches_the_plan(tmp_path, smollm2_path):
         expected = plan_pinning(read_topology("/"), parse_node_settings(node),
                                 allowed_cpus=sorted(os.sched_getaffinity(0))).engines[0].cpus
         assert expected == [last_cpu]
-        assert thread_cpus(daemon.proc.pid, tid) == expected
+        (device,) = http("GET", daemon.url + "/health")[1]["devices"]  # the one engine worker process
+        assert device["worker_pid"] != daemon.proc.pid
+        assert thread_cpus(device["worker_pid"], tid) == expected

@@ -19,12 +19,13 @@ import urllib.error
 import pytest
 
 from gpushare import LLM
-from gpushare.api.streaming import EngineStream
+from gpushare.api.streaming import EngineStream, checked_request
 from gpushare.config import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
 from gpushare.engine.sampling import SamplingParams
+from gpushare.residency.devices import LocalDevice
 from tests.daemon_fixture import GPUSHARE, http, spawn_daemon, wait_for
 from tests.model_files import gguf_to_hf_folder, random_llama_folder
 
@@ -73,7 +74,7 @@ def make_registry(engine, folders, budget_bytes, tmp_path, host_cache_bytes=4 <<
     settings.engine.max_num_seqs = engine.config.max_num_seqs
     settings.engine.weights = "float32"  # the GGUF and its safetensors copy load alike (and as the oracle)
     settings.server.max_queued = 8
-    return Registry(engine, settings, device="cpu", dtype="float32")
+    return Registry({"cpu": LocalDevice(engine)}, settings, dtype="float32")
 
 
 def messages(prompt: str) -> list[dict]:
@@ -94,7 +95,7 @@ async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, st
         model = lease.model
         prompt_ids = model.tokenizer.encode(model.render_chat(messages(prompt)), add_special_tokens=False)
         ids = []
-        with EngineStream(reg.engine, lease.entry.name, prompt_ids, params) as stream:
+        with EngineStream(lease.engine, checked_request(lease, prompt_ids, params, "default", None)) as stream:
             async for out in stream:
                 assert out.finish_reason not in ("abort", "error"), f"{name}: {out.error}"
                 ids += out.token_ids
@@ -261,8 +262,8 @@ def test_a_corrupt_file_fails_clearly_while_another_model_streams(engine, folder
             await reg.load("broken-gguf")
         with pytest.raises(ModelLoadError, match=r'failed to load model "broken-st": .*corrupt safetensors file'):
             await reg.load("broken-st")
-        with pytest.raises(ModelLoadError, match=r'failed to load model "smollm2:135m": not enough memory: it '
-                                                 r"needs \d+ bytes"):
+        with pytest.raises(ModelLoadError, match=r'failed to load model "smollm2:135m": not enough memory on '
+                                                 r"device cpu: it needs \d+ bytes"):
             await reg.load(SMOL)
         assert reg.used_bytes() == used and {e.name for e in reg.loaded()} == {TINY}  # nothing left behind
         assert set(engine.stats().models) == {TINY}
@@ -357,9 +358,11 @@ def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
         assert ps[TINY]["pinned"] and ps[TINY]["kv_blocks_total"] > 0 and ps[TINY]["running"] == 0
         r = subprocess.run([str(GPUSHARE), "ps"], capture_output=True, text=True, env=daemon.env())
         header, *lines = r.stdout.splitlines()
-        assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV", "BLOCKS", "RUN/QUEUED"]
+        assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV", "BLOCKS", "RUN/QUEUED",
+                                  "DEVICE", "WORKER", "PID"]
         tiny_line = next(line for line in lines if line.startswith(TINY))
         assert "100% CPU" in tiny_line and "Forever" in tiny_line and f"0/{ps[TINY]['kv_blocks_total']}" in tiny_line
+        assert tiny_line.split()[-2:] == ["cpu", str(ps[TINY]["worker_pid"])]
         r = subprocess.run([str(GPUSHARE), "unload", TINY], capture_output=True, text=True, env=daemon.env())
         assert r.returncode == 1 and "is pinned" in r.stderr
     finally:

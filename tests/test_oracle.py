@@ -24,6 +24,10 @@ def conversations():
 
 @pytest.fixture(scope="module")
 def oracle_outputs(hf_model, llm):
+    return oracle_answers(hf_model, llm)
+
+
+def oracle_answers(hf_model, llm) -> list[list[int]]:
     """transformers' greedy continuation of each chat prompt (one at a time, no padding)."""
     model, tokenizer = hf_model
     results = []

@@ -14,6 +14,7 @@ import pytest
 from gpushare.config import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
+from gpushare.residency.devices import LocalDevice
 
 
 class CountingLoader:
@@ -45,7 +46,7 @@ def make_registry(engine, tmp_path, smollm2_path, loader, names=("a", "b", "c"),
     settings.memory.max_loaded_models = memory.get("max_loaded_models", 2)
     settings.engine.max_num_seqs = engine.config.max_num_seqs
     settings.server.max_queued = 1
-    return Registry(engine, settings, device="cpu", dtype="float32", loader=loader)
+    return Registry({"cpu": LocalDevice(engine, loader=loader)}, settings, dtype="float32")
 
 
 def loaded_names(engine) -> set[str]:

@@ -21,6 +21,8 @@ from gpushare.api.context import ApiContext
 from gpushare.api.errors import ApiError
 from gpushare.api.tenants import apply_tenant_settings
 from gpushare.config import parse_settings
+from gpushare.residency.devices import LocalDevice
+from gpushare.residency.node_engines import NodeEngines
 
 BOB_KEY = "bob-key"
 TENANTS = [
@@ -230,7 +232,7 @@ def test_reload_applies_new_limits_live_and_keeps_admitted_requests():
              "kv_limit": "1GiB"} for n in names]}, env={})
 
     engine = Engine()
-    ctx = ApiContext(engine, registry=None, settings=settings(2, 0))
+    ctx = ApiContext(NodeEngines({"cpu": LocalDevice(engine)}), registry=None, settings=settings(2, 0))
 
     async def scenario():
         apply_tenant_settings(ctx, ctx.settings)
@@ -274,8 +276,8 @@ def test_without_tenants_everyone_is_the_default_tenant_and_needs_no_key():
     from gpushare.residency.registry import Registry
 
     settings = parse_settings({"models": []}, env={})
-    engine = Engine()
-    app = build_app(ApiContext(engine, Registry(engine, settings, device="cpu", dtype="float32"), settings))
+    devices = {"cpu": LocalDevice(Engine())}
+    app = build_app(ApiContext(NodeEngines(devices), Registry(devices, settings, dtype="float32"), settings))
 
     async def scenario():
         async with TestClient(TestServer(app)) as client:

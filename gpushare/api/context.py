@@ -15,7 +15,7 @@ from gpushare.residency.registry import Registry
 
 @dataclass
 class ApiContext:
-    engine: object  # gpushare.engine.engine.Engine
+    engine: object  # every device's engine as one (residency/node_engines.NodeEngines): node-wide stats
     registry: Registry
     settings: Settings  # replaced whole by a config reload (SIGHUP)
     started_at: float = field(default_factory=time.time)
@@ -23,6 +23,7 @@ class ApiContext:
     in_flight: int = 0  # requests being handled, monitoring endpoints excluded (api/health.py counts them)
     engine_stall_s: float = 30.0  # /health fails once the engine loop has been silent this long
     tenants: object = None  # gpushare.api.tenants.TenantGate, set by build_app
+    supervisor: object = None  # gpushare.residency.device_supervisor.DeviceSupervisor: the engine workers
 
 
 CONTEXT = web.AppKey("gpushare", ApiContext)

@@ -1,11 +1,13 @@
 """Liveness and readiness: /health, /ready, and the middleware that turns requests away while draining.
 
-/health answers 200 while the process runs and the engine loop ticks (the engine
-refreshes `last_tick_s` every turn, also when idle), 503 once the loop has been silent
-for `ApiContext.engine_stall_s`: a load balancer or kubelet restarts a wedged daemon.
-/ready answers 200 only while serving; 503 while starting (preloads) or draining, so
-traffic moves elsewhere before the daemon stops, and once the engine loop has failed for good
-(both then name the failure). Both answer JSON and are never refused.
+/health answers 200 while the daemon runs and no running engine is stalled (each engine
+refreshes `last_tick_s` every turn, also when idle, and its snapshot carries it): 503 once one
+has been silent for `ApiContext.engine_stall_s`, so a load balancer or kubelet restarts a wedged
+daemon. A device whose worker died and is being restarted does not fail it: the body lists every
+device with its worker pid, health and restarts. /ready answers 200 only while serving; 503 while
+starting (preloads) or draining, so traffic moves elsewhere before the daemon stops, and once
+every engine has failed for good (both then name the failure). Both answer JSON and are never
+refused.
 
 While draining (after SIGTERM) every other request gets 503 with `Retry-After`, in the
 dialect of its path; requests already in flight run on. The middleware also counts
@@ -25,21 +27,36 @@ MONITORING_PATHS = frozenset({"/health", "/ready", "/metrics", "/metrics/gateway
 DRAIN_RETRY_AFTER_S = 5
 
 
-def engine_alive(engine, stall_s: float) -> bool:
-    """The engine thread runs, has not failed, and its loop turned within the last `stall_s` seconds.
+def engine_alive(engines, stall_s: float) -> bool:
+    """No running engine is stalled (silent for `stall_s` seconds), and not every engine has failed."""
+    return not engines.failure and not engines.stalled(stall_s)
 
-    A failing loop sets ``failure`` before it ends the streams and before its thread exits: a
-    client that sees its stream end with the error then sees the engine down here too."""
-    return engine.alive() and not engine.failure and time.monotonic() - engine.last_tick_s < stall_s
+
+def device_rows(ctx) -> list[dict]:
+    """Each device's worker: its pid, whether placement may use it, why not, how often it restarted."""
+    supervisor = ctx.supervisor
+    if supervisor is None:
+        return []
+    now_s = time.monotonic()
+    rows = []
+    for name, client in supervisor.clients.items():
+        status = supervisor.status[name]
+        rows.append({"device": name, "worker_pid": client.pid if client.alive() else None,
+                     "healthy": status.healthy, "restarts": status.restarts,
+                     "last_tick_s_ago": round(now_s - client.last_tick_s, 3) if client.alive() else None,
+                     **({"reason": status.reason} if status.reason else {})})
+    return rows
 
 
 async def health(request: web.Request) -> web.Response:
     ctx = context(request)
     silent_s = time.monotonic() - ctx.engine.last_tick_s
     alive = engine_alive(ctx.engine, ctx.engine_stall_s)
-    stalled = ctx.engine.alive() and not ctx.engine.failure
-    body = {"status": "ok" if alive else "engine stalled" if stalled else "engine stopped",
+    body = {"status": "ok" if alive else "engine stopped" if ctx.engine.failure else "engine stalled",
             "engine_last_tick_s_ago": round(silent_s, 3), **_failure(ctx.engine)}
+    devices = device_rows(ctx)
+    if devices:
+        body["devices"] = devices
     return web.json_response(body, status=200 if alive else 503)
 
 

@@ -1,9 +1,10 @@
 """Where the daemon's memory goes: model weights, committed KV, and the runtime's overhead.
 
-Reported by ``/api/ps`` (``memory``) and ``/metrics``. On the CPU everything is in the process's
-resident set, so the overhead is what the resident set holds beyond weights and committed KV
-(the torch runtime, the HTTP server, allocator slack); on a GPU weights and KV are in device
-memory and the whole resident set is overhead.
+Reported by ``/api/ps`` (``memory``) and ``/metrics``. The resident set is the daemon's and its
+engine workers' together. On the CPU weights and KV live in the workers' resident sets, so the
+overhead is what the resident sets hold beyond weights and committed KV (the torch runtimes, the
+HTTP server, allocator slack); on a GPU weights and KV are in device memory and the whole
+resident set is overhead.
 """
 
 from dataclasses import asdict, dataclass
@@ -13,7 +14,7 @@ import psutil
 
 @dataclass
 class MemoryReport:
-    rss_bytes: int
+    rss_bytes: int  # the daemon's and its workers'
     weight_bytes: int  # every loaded model's weights as stored
     kv_pool_bytes: int  # the engine's KV pool (memory.kv_budget)
     kv_committed_bytes: int  # the pool's slabs that models hold now
@@ -24,8 +25,16 @@ class MemoryReport:
 
 
 def memory_report(ctx) -> MemoryReport:
-    weights = sum(e.weight_bytes for e in ctx.registry.loaded())
+    loaded = ctx.registry.loaded()
+    weights = sum(e.weight_bytes for e in loaded)
     stats = ctx.engine.stats()
     rss = psutil.Process().memory_info().rss
-    on_host = 0 if ctx.registry.device.startswith("cuda") else weights + stats.kv_committed_bytes
+    for device in ctx.registry.devices.values():
+        if device.pid is not None:
+            try:
+                rss += psutil.Process(device.pid).memory_info().rss
+            except psutil.Error:  # it just died; the supervisor restarts it
+                pass
+    on_host = sum(e.weight_bytes + getattr(stats.models.get(e.name), "kv_committed_bytes", 0) for e in loaded
+                  if e.engine.config.device == "cpu")
     return MemoryReport(rss, weights, stats.kv_pool_bytes, stats.kv_committed_bytes, max(0, rss - on_host))

@@ -170,13 +170,36 @@ class StateCollector:
                                 value=max(0.0, time.monotonic() - self.ctx.engine.last_tick_s))
         yield from self._gpu_families()
         yield from self._memory_families()
+        yield from self._device_families()
+
+    def _device_families(self):
+        """One series per engine worker (engine.devices): health, restarts, its loop's last turn."""
+        supervisor = self.ctx.supervisor
+        if supervisor is None:
+            return
+        healthy = GaugeMetricFamily("gpushare_device_healthy", "1 while the device's engine worker runs and "
+                                    "its GPU is healthy, 0 while it restarts or NVML reports faults",
+                                    labels=["device"])
+        restarts = CounterMetricFamily("gpushare_device_worker_restarts", "Times the device's engine worker was "
+                                       "started again after it died", labels=["device"])
+        tick_age = GaugeMetricFamily("gpushare_device_engine_last_tick_age_seconds", "Since the device's engine "
+                                     "loop last turned (from its latest snapshot)", labels=["device"])
+        models = GaugeMetricFamily("gpushare_device_models_loaded", "Models loaded on the device",
+                                   labels=["device"])
+        now_s = time.monotonic()
+        for name, client in supervisor.clients.items():
+            healthy.add_metric([name], 1 if supervisor.healthy(name) and client.alive() else 0)
+            restarts.add_metric([name], supervisor.status[name].restarts)
+            tick_age.add_metric([name], max(0.0, now_s - client.last_tick_s))
+            models.add_metric([name], sum(1 for e in self.ctx.registry.loaded() if e.device == name))
+        yield from (healthy, restarts, tick_age, models)
 
     def _memory_families(self):
         report = memory_report(self.ctx)
         for name, doc, value in (
-                ("gpushare_memory_rss_bytes", "The daemon's resident set", report.rss_bytes),
+                ("gpushare_memory_rss_bytes", "The daemon's and its engine workers' resident sets", report.rss_bytes),
                 ("gpushare_memory_weights_bytes", "Weights of every loaded model, as stored", report.weight_bytes),
-                ("gpushare_kv_pool_bytes", "The engine's KV pool (memory.kv_budget)", report.kv_pool_bytes),
+                ("gpushare_kv_pool_bytes", "The engines' KV pools (memory.kv_budget each)", report.kv_pool_bytes),
                 ("gpushare_kv_pool_committed_bytes", "KV pool slabs held by models", report.kv_committed_bytes),
                 ("gpushare_memory_runtime_overhead_bytes", "Resident memory beyond weights and committed KV "
                  "(runtime, server, allocator slack)", report.runtime_overhead_bytes)):

@@ -308,16 +308,18 @@ async def ps(request: web.Request) -> web.Response:
         models.append({
             "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
-            "size_vram": size if ctx.registry.device == "cuda" else 0,
+            "size_vram": size if entry.engine.config.device == "cuda" else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": context_room(ctx.engine, entry.name, entry.model.config.context_length,
+            "context_length": context_room(entry.engine, entry.name, entry.model.config.context_length,
                                            entry.source.preset.options.get("num_ctx")
                                            or ctx.settings.server.context_length),
             "trained_context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
-            "keep_alive": entry.keep_alive_s, "device": ctx.registry.device, "weights": entry.model.weights,
+            "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
+            "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
+            "weights": entry.model.weights,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),

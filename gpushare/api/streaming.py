@@ -76,7 +76,7 @@ class EngineStream:
             raise StopAsyncIteration
         out = await self._queue.get()
         self._unfinished -= out.finished
-        self.finished = self._unfinished == 0 or out.finish_reason in ("error", "abort")
+        self.finished = self._unfinished == 0 or out.finish_reason in ("error", "abort", "rejected")
         if self._record is not None:
             self._record.observe(out)
         return out
@@ -170,9 +170,11 @@ def finish_error(out: RequestOutput) -> ApiError | None:
     """The error a finished output carries, if it did not end normally."""
     if out.finish_reason == "error":
         return ApiError(500, out.error or "the engine failed this request")
-    if out.finish_reason == "abort":
-        return ApiError(503, "the request was cancelled: its model was unloaded or the daemon is stopping",
-                        retry_after_s=1)
+    if out.finish_reason == "rejected":  # the engine refused it as sent (its grammar did not compile)
+        return ApiError(400, out.error or "the engine refused this request")
+    if out.finish_reason == "abort":  # unloaded, the daemon stopping, or its engine worker died
+        return ApiError(503, out.error or "the request was cancelled: its model was unloaded or the daemon is "
+                        "stopping", retry_after_s=1)
     return None
 
 

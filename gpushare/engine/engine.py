@@ -151,6 +151,11 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    @property
+    def loop_thread(self) -> threading.Thread | None:
+        """The engine thread, while started (join it to wait for the loop's end)."""
+        return self._thread
+
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -167,6 +172,7 @@ class Engine:
             runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
                                                                          self.kv_dtype))
             self.workers[name] = ModelWorker(name, loaded, scheduler, runner, share_weight)
+            self._flush()  # whoever waits on add_model sees the model in the snapshot
 
         self._run_on_engine(add)
 
@@ -174,8 +180,9 @@ class Engine:
         def remove():
             worker = self.workers.pop(name)
             for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
-                self._finish(worker, seq, "abort", error=f"model {name!r} was unloaded")
+                self._finish(worker, seq, "abort", error=f"the request was cancelled: model {name!r} was unloaded")
             worker.scheduler.pool.close()
+            self._flush()
 
         self._run_on_engine(remove)
 
@@ -313,11 +320,11 @@ class Engine:
                 if worker is not None:
                     self._step(worker)
                 self._shed_idle()
-                self._flush()
+                if worker is None or self._outputs:  # a step flushed already
+                    self._flush()
             except Exception as e:
                 log.exception("the engine loop failed; it stops and fails every pending request")
-                self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e}); "
-                                      f"restart the daemon")
+                self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e})")
                 return
 
     def _flush(self) -> None:
@@ -475,6 +482,7 @@ class Engine:
         worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
         for seq, token in sampled:
             self._advance_one(worker, seq, token)
+        self._flush()  # an urgent step's first token goes out now, not after the step it paused
         if self.on_step is not None:
             self.on_step(self)
 
@@ -511,7 +519,6 @@ class Engine:
             batch = worker.scheduler.schedule_urgent(urgent)
             if batch.seqs:
                 self._run_step(worker, batch)
-                self._flush()  # an urgent prompt's first token goes out now, not after the step it paused
 
     def _advance_one(self, worker: ModelWorker, seq: Sequence, token: int | SamplingFailure) -> None:
         """Give ``seq`` its new token; a failure on this sequence (sampling, text) ends it alone."""

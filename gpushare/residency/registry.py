@@ -54,24 +54,28 @@ class Lease:
         return self.entry.engine
 
 
-def _default_loader(path: str, dtype: str, device: str, progress, weights: str = "auto"):
-    from gpushare.models.loader import load_model
-
-    return load_model(path, dtype=dtype, device=device, progress=progress, weights=weights)
-
-
 class Registry:
-    def __init__(self, engine, settings: Settings, *, device: str, dtype: str, loader=_default_loader):
-        self.engine = engine
-        self.device = device
+    def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None):
+        """`devices`: name -> device (residency/devices.py); `find_device`: a models[].device as written ->
+        the name of its device."""
+        self.devices = devices
         self.dtype = dtype
-        self.residency = Residency(engine, device=device, dtype=dtype, weights=settings.engine.weights, loader=loader,
-                                   on_loaded=self._on_loaded, release=self._release)
+        self.residency = Residency(devices, dtype=dtype, weights=settings.engine.weights, on_loaded=self._on_loaded,
+                                   release=self._release, find_device=find_device)
         self._descriptions: dict[str, ModelDescription] = {}  # by ModelSource.digest()
         self._background: set[asyncio.Task] = set()
-        # Measured once, at start: later the loaded models themselves would shrink "available".
-        self._default_budget_bytes = default_budget_bytes(device, settings.memory.host_cache_bytes)
+        # Measured once, at start: later the loaded models themselves would shrink "available". Devices
+        # that share host RAM (CPU engines) split it.
+        kinds = [d.config.device for d in devices.values()]
+        cpu_devices = max(1, kinds.count("cpu"))
+        self._default_budget_bytes = min(default_budget_bytes(kind, settings.memory.host_cache_bytes)
+                                         // (cpu_devices if kind == "cpu" else 1) for kind in kinds)
         self._apply_limits(settings)
+
+    @property
+    def device_kind(self) -> str:
+        """"cuda" when any device is a GPU, else "cpu"."""
+        return "cuda" if any(d.config.device != "cpu" for d in self.devices.values()) else "cpu"
 
     def _apply_limits(self, settings: Settings) -> None:
         self.settings = settings
@@ -116,14 +120,15 @@ class Registry:
             return "loaded"
         if source.name in self.residency.jobs:
             return "loading"
-        return "warm" if self.residency.warm_key(source) in self.residency.warm else "on disk"
+        return "warm" if self.residency.is_warm(source) else "on disk"
 
     @property
     def budget_bytes(self) -> int:
         return self.residency.budget_bytes
 
     def used_bytes(self) -> int:
-        return self.residency.used_bytes()
+        """memory.budget in use, summed over the devices."""
+        return sum(self.residency.used_bytes(d) for d in self.devices)
 
     def cached_description(self, source: ModelSource) -> ModelDescription | None:
         """The description if known without reading files (loaded, or described before)."""
@@ -147,7 +152,7 @@ class Registry:
         if entry is not None:
             return entry.model.weights
         desc = await self.describe(name)
-        return resolve_weights(self.residency.weights_of(source), self.device, set(desc.source_types))
+        return resolve_weights(self.residency.weights_of(source), self.device_kind, set(desc.source_types))
 
     # ------------------------------------------------------------------ create / remove
 
@@ -171,7 +176,8 @@ class Registry:
         source = self.find(name)
         path = removable_file(source)
         await self.unload(source.name)
-        self.residency.warm.take(self.residency.warm_key(source))
+        for device in self.devices:
+            self.residency.warm.take(self.residency.warm_key(source, device))
         os.unlink(path)
 
     # ------------------------------------------------------------------ requests
@@ -249,13 +255,27 @@ class Registry:
                 continue
             pinned_changed = new.pinned != entry.source.pinned
             if new.weight != entry.source.weight:
-                self.engine.set_share_weight(entry.name, new.weight)
+                entry.engine.set_share_weight(entry.name, new.weight)
             entry.source = new
             if pinned_changed:  # keep_alive starts afresh from the model's or the server's default
                 self._set_keep_alive(entry, None)
                 if entry.active == 0:
                     self._arm_timer(entry)
         self.residency.evict_over_limits()
+        self.residency.notify_room()
+        task = asyncio.get_running_loop().create_task(self._preload_logged())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def forget_device(self, device: str) -> None:
+        """`device`'s worker died (its requests already failed): forget the models it held."""
+        gone = self.residency.forget_device(device)
+        if gone:
+            log.warning("device %s lost its models: %s; they load again on demand", device,
+                        ", ".join(e.name for e in gone))
+
+    def device_back(self, device: str) -> None:
+        """`device`'s worker runs again: load the preload and pinned models that are not loaded."""
         self.residency.notify_room()
         task = asyncio.get_running_loop().create_task(self._preload_logged())
         self._background.add(task)

@@ -1,4 +1,11 @@
-"""The models resident in the engine and the memory they hold: load jobs, evictions, unloads.
+"""The models resident on the node's devices and the memory they hold: placement, load jobs,
+evictions, unloads.
+
+Placement: a model loads on one device: the one its `models[].device` names, else the healthy
+device where it fits now (counting what idle models' unloading frees) with the least outstanding
+work (requests running and queued, from its latest snapshot, plus leases), else the one with the
+most free memory, where it waits for room. The budget, max_loaded_models, LRU and keep_alive hold
+per device.
 
 One load job per model: concurrent requests for it wait on the same job, and the moment it
 has loaded each of them holds a lease (so nothing can evict it between the load and their
@@ -11,7 +18,7 @@ progress. With no idle model to unload it waits up to `room_wait_timeout_s` (Reg
 503 with Retry-After); a model that can never fit or a load that fails raises
 ModelLoadError and frees what it took. Unloaded models go to the warm tier.
 
-Everything here runs on the asyncio loop; the engine and the loader only in worker threads.
+Everything here runs on the asyncio loop; devices' blocking load and unload calls run in threads.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from dataclasses import dataclass, field
 
 from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
 from gpushare.residency.model_catalog import ModelSource
-from gpushare.residency.warm_cache import WarmCache, to_device, to_host
+from gpushare.residency.warm_cache import WarmCache
+from gpushare.residency.worker_client import WorkerDied
 from gpushare.models.weight_format import resolve_weights
 
 log = logging.getLogger("gpushare.registry")
 
 ROOM_WAIT_TIMEOUT_S = 300.0  # as Ollama's OLLAMA_LOAD_TIMEOUT: how long a load waits for busy models
+DEVICE_POLL_S = 1.0  # how often a load waiting for an unhealthy device looks again
 
 
 class RegistryFull(RuntimeError):
@@ -58,7 +67,11 @@ class LoadedEntry:
     expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
     timer: asyncio.TimerHandle | None = None
     retired: bool = False  # its config entry is gone: takes no new request, unloads once idle
-    engine: object = None  # the engine of the device it is loaded on
+    engine: object = None  # the device it is loaded on (residency/devices.py): what requests submit to
+
+    @property
+    def device(self) -> str:
+        return self.engine.name
 
     @property
     def name(self) -> str:
@@ -80,6 +93,7 @@ class LoadJob:
     total_bytes: int = 0
     waiters: int = 0  # requests waiting; they hold a lease the moment it loads
     task: asyncio.Task | None = None
+    device: str | None = None  # where it loads (placement), once chosen
 
     @property
     def progress(self) -> float:
@@ -91,41 +105,87 @@ class LoadJob:
 
 
 class Residency:
-    def __init__(self, engine, *, device: str, dtype: str, weights: str, loader, on_loaded, release):
-        self.engine = engine
-        self.device = device
+    def __init__(self, devices: dict, *, dtype: str, weights: str, on_loaded, release, find_device=None):
+        self.devices = devices  # name -> device (residency/devices.py), in engine.devices order
         self.dtype = dtype
         self.weights = weights  # engine.weights: the format of models whose entry names none
-        self._loader = loader  # (path, dtype, device, progress, weights=...) -> LoadedModel
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
         self._release = release  # (LoadedEntry) -> None, to give a lease back
+        self._find_device = find_device or (lambda text: text)  # models[].device as written -> device name
         self.loaded: dict[str, LoadedEntry] = {}
         self.jobs: dict[str, LoadJob] = {}
         self.unloading: dict[str, asyncio.Task] = {}
-        self.warm = WarmCache(0)
-        self.budget_bytes = 0
-        self.max_models = 1
+        self.warm = WarmCache(0, on_drop=self._drop_warm)
+        self.budget_bytes = 0  # memory.budget, per device
+        self.max_models = 1  # memory.max_loaded_models, per device
+        self.is_healthy = lambda device: True  # the daemon's DeviceSupervisor.healthy: placement avoids the rest
         self.room_wait_timeout_s = ROOM_WAIT_TIMEOUT_S
         self.closing = False
         self._sizes: dict[tuple, tuple[int, int]] = {}  # warm key -> (weight bytes, parameter count)
         self._room_changed = asyncio.Event()
 
+    def kind(self, device: str) -> str:
+        """"cuda" or "cpu": what torch calls the device inside its engine."""
+        return self.devices[device].config.device
+
     def weights_of(self, source: ModelSource) -> str:
         """The weight format setting for `source` (models[].weights, else engine.weights; may be auto)."""
         return source.weights or self.weights
 
-    def warm_key(self, source: ModelSource) -> tuple:
-        return (source.digest(), self.dtype, self.weights_of(source), self.device)
+    def warm_key(self, source: ModelSource, device: str) -> tuple:
+        return (source.digest(), self.dtype, self.weights_of(source), device)
 
-    def used_bytes(self) -> int:
-        """memory.budget in use: the engine's KV pool, loaded models and the loads that found room."""
-        return (self.engine.kv_pool.capacity_bytes + sum(e.size_bytes for e in self.loaded.values())
-                + sum(j.reserved_bytes for j in self.jobs.values()))
+    def is_warm(self, source: ModelSource) -> bool:
+        return any(self.warm_key(source, d) in self.warm for d in self.devices)
 
-    def residents(self) -> list[Resident]:
+    def used_bytes(self, device: str) -> int:
+        """memory.budget in use on `device`: its engine's KV pool, its loaded models, the loads that found room."""
+        return (self.devices[device].kv_pool_bytes
+                + sum(e.size_bytes for e in self.loaded.values() if e.device == device)
+                + sum(j.reserved_bytes for j in self.jobs.values() if j.device == device))
+
+    def residents(self, device: str) -> list[Resident]:
         return [Resident(e.name, e.size_bytes, e.last_used,
-                         e.active == 0 and not e.source.pinned and not self.engine.has_work(e.name))
-                for e in self.loaded.values()]
+                         e.active == 0 and not e.source.pinned and not e.engine.has_work(e.name))
+                for e in self.loaded.values() if e.device == device]
+
+    def outstanding(self, device: str) -> int:
+        """Requests on `device`: leases held on its models and loads heading there."""
+        return (sum(e.active for e in self.loaded.values() if e.device == device)
+                + sum(j.waiters for j in self.jobs.values() if j.device == device))
+
+    def place(self, source: ModelSource, need_bytes: int) -> str:
+        """The device `source` loads on (see the module docstring)."""
+        if source.device is not None:
+            return self._find_device(source.device)
+        healthy = [d for d in self.devices if self.is_healthy(d)] or list(self.devices)
+
+        def fits_now(device: str) -> bool:
+            counted = len([e for e in self.loaded.values() if e.device == device])
+            return plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
+                                  self.max_models, counted) is not None
+
+        fitting = [d for d in healthy if fits_now(d)]
+        if fitting:
+            return min(fitting, key=lambda d: (self.outstanding(d), -(self.budget_bytes - self.used_bytes(d))))
+        return max(healthy, key=lambda d: self.budget_bytes - self.used_bytes(d))
+
+    def forget_device(self, device: str) -> list[LoadedEntry]:
+        """`device`'s worker died: its models and warm entries are gone. Returns the entries dropped."""
+        gone = [e for e in self.loaded.values() if e.device == device]
+        for entry in gone:
+            if entry.timer is not None:
+                entry.timer.cancel()
+                entry.timer = None
+            del self.loaded[entry.name]
+        self.warm.drop_device(device)
+        self.notify_room()
+        return gone
+
+    def _drop_warm(self, key: tuple) -> None:
+        device = self.devices.get(key[-1])
+        if device is not None:
+            device.drop_warm(key)
 
     def notify_room(self) -> None:
         """Wake the loads waiting for memory (and requests waiting for an old model to leave)."""
@@ -137,10 +197,12 @@ class Residency:
 
     def evict_over_limits(self) -> None:
         """After the limits shrank: unload idle models, least recently used first, until they hold."""
-        victims = plan_evictions(self.residents(), 0, self.used_bytes(), self.budget_bytes, self.max_models + 1,
-                                 len(self.loaded))
-        for victim in victims or []:
-            self.start_unload(self.loaded[victim.name])
+        for device in self.devices:
+            count = len([e for e in self.loaded.values() if e.device == device])
+            victims = plan_evictions(self.residents(device), 0, self.used_bytes(device), self.budget_bytes,
+                                     self.max_models + 1, count)
+            for victim in victims or []:
+                self.start_unload(self.loaded[victim.name])
 
     # ------------------------------------------------------------------ load
 
@@ -175,15 +237,13 @@ class Residency:
     async def _run(self, job: LoadJob) -> LoadedEntry:
         source = job.source
         try:
-            key = self.warm_key(source)
+            estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
+            job.device = self.place(source, estimate_bytes)
+            key = self.warm_key(source, job.device)
             if key not in self._sizes:
-                try:
-                    count = await asyncio.to_thread(count_tensors, source.path)
-                except (OSError, ValueError) as e:
-                    raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
-                weights = resolve_weights(self.weights_of(source), self.device, set(count.source_types))
-                self._sizes[key] = (estimate_weight_bytes(count, weights), count.parameters)
-            estimate_bytes, parameter_count = self._sizes[key]
+                estimate_bytes, parameter_count = await self._size(source, job.device)
+            else:
+                estimate_bytes, parameter_count = self._sizes[key]
             evictions = await self._wait_for_room(job, estimate_bytes)
             job.state = "loading"
             await asyncio.gather(*evictions, *self.unloading.values())
@@ -196,74 +256,94 @@ class Residency:
             del self.jobs[source.name]
             self.notify_room()
 
+    async def _size(self, source: ModelSource, device: str) -> tuple[int, int]:
+        """(estimated weight bytes, parameter count) of `source` on `device`, from its tensor table."""
+        key = self.warm_key(source, device)
+        if key not in self._sizes:
+            try:
+                count = await asyncio.to_thread(count_tensors, source.path)
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
+            weights = resolve_weights(self.weights_of(source), self.kind(device), set(count.source_types))
+            self._sizes[key] = (estimate_weight_bytes(count, weights), count.parameters)
+        return self._sizes[key]
+
     async def _wait_for_room(self, job: LoadJob, need_bytes: int) -> list[asyncio.Task]:
         """Reserve `need_bytes` of the budget, starting the unloads that make room; waits while busy
         models hold it. ModelLoadError when it could never fit, RegistryFull after the wait timeout."""
-        source = job.source
+        source, device = job.source, job.device
         deadline = time.monotonic() + self.room_wait_timeout_s
         while True:
             if self.closing:
                 raise RegistryFull(f'cannot load model "{source.name}": the daemon is stopping', 5)
-            pinned_bytes = sum(e.size_bytes for e in self.loaded.values() if e.source.pinned)
-            kv_pool_bytes = self.engine.kv_pool.capacity_bytes
+            if not self.is_healthy(device):  # its worker is restarting (or NVML reports faults): wait
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise RegistryFull(f'cannot load model "{source.name}": its device {device} stayed unhealthy '
+                                       f"(its engine worker restarting, or GPU faults); retry later", 5)
+                try:
+                    await asyncio.wait_for(self.room_changed(), min(remaining_s, DEVICE_POLL_S))
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            here = [e for e in self.loaded.values() if e.device == device]
+            pinned_bytes = sum(e.size_bytes for e in here if e.source.pinned)
+            kv_pool_bytes = self.devices[device].kv_pool_bytes
             if need_bytes + pinned_bytes + kv_pool_bytes > self.budget_bytes:
                 raise ModelLoadError(
-                    f'failed to load model "{source.name}": not enough memory: it needs {need_bytes} bytes '
-                    f"of weights, memory.budget is {self.budget_bytes} bytes, the KV pool (memory.kv_budget) "
-                    f"takes {kv_pool_bytes} and pinned models hold {pinned_bytes}")
-            reserving = sum(1 for j in self.jobs.values() if j.reserved_bytes)
-            victims = plan_evictions(self.residents(), need_bytes, self.used_bytes(), self.budget_bytes,
-                                     self.max_models, len(self.loaded) + reserving)
+                    f'failed to load model "{source.name}": not enough memory on device {device}: it needs '
+                    f"{need_bytes} bytes of weights, memory.budget is {self.budget_bytes} bytes, the KV pool "
+                    f"(memory.kv_budget) takes {kv_pool_bytes} and pinned models hold {pinned_bytes}")
+            reserving = sum(1 for j in self.jobs.values() if j.reserved_bytes and j.device == device)
+            victims = plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
+                                     self.max_models, len(here) + reserving)
             if victims is not None:
                 job.reserved_bytes = need_bytes
                 return [self.start_unload(self.loaded[v.name]) for v in victims]
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                busy = ", ".join(e.name for e in self.loaded.values() if e.active) or "none"
+                busy = ", ".join(e.name for e in here if e.active) or "none"
                 raise RegistryFull(f'cannot load model "{source.name}": it needs {need_bytes} bytes, '
-                                   f"{self.budget_bytes - self.used_bytes()} are free in memory.budget "
-                                   f"({self.budget_bytes} bytes, max_loaded_models {self.max_models}) and the "
-                                   f"models holding the rest stayed busy ({busy}); retry later", 5)
+                                   f"{self.budget_bytes - self.used_bytes(device)} are free in memory.budget on "
+                                   f"device {device} ({self.budget_bytes} bytes, max_loaded_models "
+                                   f"{self.max_models}) and the models holding the rest stayed busy ({busy}); "
+                                   f"retry later", 5)
             try:
                 await asyncio.wait_for(self.room_changed(), remaining_s)
             except asyncio.TimeoutError:
                 pass
 
     async def _load(self, job: LoadJob, key: tuple, estimate_bytes: int, parameter_count: int) -> LoadedEntry:
-        source = job.source
+        source, device = job.source, self.devices[job.device]
         warm = self.warm.take(key)
-        log.info("loading model %s from %s (estimated %d bytes of weights)", source.name,
+        log.info("loading model %s on %s from %s (estimated %d bytes of weights)", source.name, device.name,
                  "the warm tier" if warm else source.path, estimate_bytes)
         t0 = time.monotonic()
         try:
-            model = await asyncio.to_thread(self._load_blocking, source, warm, job)
+            model, weight_bytes, was_warm = await asyncio.to_thread(
+                device.load, source.name, source.path, self.dtype, self.weights_of(source), source.weight, job.report,
+                warm, key)
+        except WorkerDied as e:  # not the model's fault: the device's worker died meanwhile
+            raise RegistryFull(f'cannot load model "{source.name}" now: {e}; retry', 5) from e
         except Exception as e:
             log.warning("loading %s failed: %s", source.name, e)
             raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
         load_s = time.monotonic() - t0
-        weight_bytes = model.weight_bytes
         self._sizes[key] = (weight_bytes, parameter_count)
         job.reserved_bytes = weight_bytes
         if weight_bytes > estimate_bytes:  # the estimate was low: unload more idle models, or give it all back
-            victims = plan_evictions(self.residents(), 0, self.used_bytes(), self.budget_bytes, 1, 0)
+            victims = plan_evictions(self.residents(device.name), 0, self.used_bytes(device.name), self.budget_bytes,
+                                     1, 0)
             if victims is None:
-                await asyncio.to_thread(self.engine.remove_model, source.name)
+                await asyncio.to_thread(device.unload, source.name, model, None)
                 raise ModelLoadError(f'failed to load model "{source.name}": not enough memory: it took '
                                      f"{weight_bytes} bytes of weights, more than memory.budget "
-                                     f"({self.budget_bytes} bytes) has free while the other models are busy")
+                                     f"({self.budget_bytes} bytes) has free on device {device.name} while the "
+                                     f"other models are busy")
             await asyncio.gather(*[self.start_unload(self.loaded[v.name]) for v in victims])
-        log.info("loaded model %s in %.2fs%s (%d bytes of weights)", source.name, load_s,
-                 " from the warm tier" if warm else "", weight_bytes)
-        return LoadedEntry(source, model, weight_bytes, load_s, warm is not None, key, parameter_count,
-                           engine=self.engine)
-
-    def _load_blocking(self, source: ModelSource, warm, job: LoadJob):
-        if warm is not None:
-            model = to_device(warm, self.device)
-        else:
-            model = self._loader(source.path, self.dtype, self.device, job.report, weights=self.weights_of(source))
-        self.engine.add_model(source.name, model, share_weight=source.weight)
-        return model
+        log.info("loaded model %s on %s in %.2fs%s (%d bytes of weights)", source.name, device.name, load_s,
+                 " from the warm tier" if was_warm else "", weight_bytes)
+        return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, engine=device)
 
     # ------------------------------------------------------------------ unload
 
@@ -279,20 +359,16 @@ class Residency:
         return task
 
     async def _unload(self, entry: LoadedEntry) -> None:
-        keep_warm = self.warm.fits(entry.weight_bytes)
+        warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) else None
         try:
-            model = await asyncio.to_thread(self._unload_blocking, entry, keep_warm)
-            if model is not None:
-                self.warm.put(entry.warm_key, model, entry.weight_bytes)
+            kept = await asyncio.to_thread(entry.engine.unload, entry.name, entry.model, warm_key)
+            if kept is not None:
+                self.warm.put(entry.warm_key, kept, entry.weight_bytes)
         except Exception as e:
-            log.error("removing model %s from the engine failed: %s", entry.name, e)
+            log.error("removing model %s from device %s failed: %s", entry.name, entry.device, e)
         finally:
             del self.unloading[entry.name]
             self.notify_room()
-
-    def _unload_blocking(self, entry: LoadedEntry, keep_warm: bool):
-        self.engine.remove_model(entry.name)
-        return to_host(entry.model) if keep_warm else None
 
     async def close(self) -> None:
         """Fail the loads still waiting for memory, finish the running ones, unload everything."""

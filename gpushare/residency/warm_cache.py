@@ -2,12 +2,10 @@
 parsing and dequantising its file.
 
 At most memory.host_cache bytes (0 disables it); the least recently unloaded model goes
-first. On the CPU a warm model is the very LoadedModel that served (its weights already
-live in host RAM): keeping it costs nothing and reloading it is a KV-pool allocation. On
-CUDA, `to_host` copies the weights into pinned host memory when the model is unloaded,
-freeing the device memory, and `to_device` copies them back (a PCIe copy, no parsing).
-The registry calls both from worker threads and touches the cache itself only on its
-event loop.
+first. What a warm entry holds is what its device's `unload` gave back (residency/devices.py): in
+process, the LoadedModel itself with its weights in host memory (models/host_copy.py); for a
+worker process, the model's text side, the weights staying in the worker, which drops them
+when this cache lets the entry go (`on_drop`). Touched only on the registry's event loop.
 """
 
 from __future__ import annotations
@@ -16,36 +14,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 log = logging.getLogger("gpushare.registry")
-
-
-def _move_tensors(module: torch.nn.Module, move) -> None:
-    """Replace every parameter's and buffer's storage by `move(tensor)`, in place: tied weights
-    (one Parameter in two modules) stay tied, and every module keeps its own objects."""
-    for p in module.parameters():
-        p.data = move(p.data)
-    for sub in module.modules():
-        for name, buf in list(sub.named_buffers(recurse=False)):
-            setattr(sub, name, move(buf))
-
-
-def to_host(loaded):
-    """The LoadedModel with its weights in host memory (pinned, for a fast copy back)."""
-    if loaded.device == "cpu":
-        return loaded
-    _move_tensors(loaded.model, lambda t: t.to("cpu").pin_memory())
-    torch.cuda.empty_cache()
-    return loaded
-
-
-def to_device(loaded, device: str):
-    """The warm LoadedModel back on `device`, ready for engine.add_model."""
-    if device != "cpu":
-        _move_tensors(loaded.model, lambda t: t.to(device, non_blocking=True))
-        torch.cuda.synchronize(device)
-    return loaded
 
 
 @dataclass
@@ -57,9 +26,10 @@ class WarmModel:
 class WarmCache:
     """Warm models by key (file digest, dtype, device), least recently stored first."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, on_drop=None):
         self.capacity_bytes = capacity_bytes
         self._models: OrderedDict[tuple, WarmModel] = OrderedDict()
+        self.on_drop = on_drop  # (key) -> None: an entry left without being taken
 
     @property
     def used_bytes(self) -> int:
@@ -90,5 +60,12 @@ class WarmCache:
 
     def _trim(self) -> None:
         while self._models and self.used_bytes > self.capacity_bytes:
-            _, warm = self._models.popitem(last=False)
+            key, warm = self._models.popitem(last=False)
             log.info("dropped %s from the warm tier (memory.host_cache)", warm.loaded.name_or_path)
+            if self.on_drop is not None:
+                self.on_drop(key)
+
+    def drop_device(self, device: str) -> None:
+        """Forget the entries of `device` (the last item of their keys): its worker process died with them."""
+        for key in [k for k in self._models if k[-1] == device]:
+            del self._models[key]

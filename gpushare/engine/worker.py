@@ -1,0 +1,213 @@
+"""An engine worker process: one Engine on one device, behind typed messages (worker_messages.py).
+
+Started by the supervisor (residency/worker_client.py) as ``python -m gpushare.engine.worker FD``
+with its device's environment (CUDA_VISIBLE_DEVICES, MPS) already set, so CUDA sees one GPU or
+MIG instance. FD is its end of a socket pair; the first message is the WorkerSpec.
+
+Threads: the main thread reads messages and hands them to the engine (submits and cancels go
+straight to its inbox); one loader thread loads and unloads models in order, so a long load never
+holds up requests; one sender thread writes everything going back, coalescing what piled up
+(outputs of several turns into one message, only the newest snapshot). The engine thread calls
+``on_output``/``on_snapshot``, which only queue. The process ends when the supervisor says Stop
+or its socket closes (the supervisor is gone): a worker never outlives its daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+from gpushare.engine import worker_messages as m
+from gpushare.engine.engine import Engine
+from gpushare.engine.test_hooks import install_test_stall
+from gpushare.engine.sequence import RequestOutput
+from gpushare.models.host_copy import to_device, to_host
+from gpushare.models.loader import load_model, return_freed_memory
+
+log = logging.getLogger("gpushare.worker")
+
+FAILED_EXIT_CODE = 3  # the engine loop failed for good (engine.py)
+EXIT_FAILED = object()  # queued after the failed engine's last snapshot: the sender ends the process
+
+
+class Outbox:
+    """Everything going back to the supervisor, sent by one thread in arrival order."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._send_loop, name="gpushare-worker-send", daemon=True)
+        self._thread.start()
+
+    def put(self, message) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _send_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:  # take what piled up while the last send ran
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for message in coalesce(batch):
+                if message is None:
+                    return
+                if message is EXIT_FAILED:
+                    # The engine failed for good and everything it said is sent: end the process now, so
+                    # the supervisor sees it gone before anyone sends more work here.
+                    os._exit(FAILED_EXIT_CODE)
+                try:
+                    self._conn.send(message)
+                except (OSError, EOFError):  # the supervisor is gone; the main thread ends the process
+                    return
+
+
+def coalesce(batch: list) -> list:
+    """One Outputs message for consecutive outputs, and only the newest of consecutive snapshots;
+    the order of everything else (replies, progress) is kept."""
+    out: list = []
+    for message in batch:
+        if isinstance(message, m.Outputs) and out and isinstance(out[-1], m.Outputs):
+            out[-1] = m.Outputs(out[-1].items + message.items)
+        elif isinstance(message, m.Snapshot) and out and isinstance(out[-1], m.Snapshot):
+            out[-1] = message
+        else:
+            out.append(message)
+    return out
+
+
+class WorkerHost:
+    """Handles the supervisor's messages with one Engine and the worker's warm tier (models kept
+    built in host memory; the supervisor's WarmCache decides what stays, and says DropWarm)."""
+
+    def __init__(self, engine: Engine, outbox: Outbox, spec: m.WorkerSpec):
+        self.engine = engine
+        self.outbox = outbox
+        self.spec = spec
+        self.warm: dict[tuple, object] = {}  # warm key -> LoadedModel, weights in host memory
+        self.loaded: dict = {}  # name -> LoadedModel
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="gpushare-worker-load")
+        engine.on_snapshot = lambda snapshot: outbox.put(m.Snapshot(snapshot))
+
+    def exit_when_failed(self) -> None:
+        """Once the engine loop has ended (thread "gpushare-worker-watch"): if it failed, it has ended
+        every request (engine.py) and all of that is queued; the process then ends after sending it."""
+        thread = self.engine.loop_thread
+        if thread is not None:
+            thread.join()
+        if self.engine.failure is not None:
+            log.error("the engine failed; the worker exits: %s", self.engine.failure)
+            self.outbox.put(EXIT_FAILED)
+
+    def handle(self, message) -> bool:
+        """False once the worker should stop."""
+        if isinstance(message, m.Submit):
+            self._submit(message.request)
+        elif isinstance(message, m.Cancel):
+            self.engine.cancel(message.request_id)
+        elif isinstance(message, m.Embed):
+            self._embed(message)
+        elif isinstance(message, (m.LoadModel, m.UnloadModel)):
+            self._loader.submit(self._reply, message.call_id, self._load if isinstance(message, m.LoadModel)
+                                else self._unload, message)
+        elif isinstance(message, m.DropWarm):
+            self._loader.submit(self.warm.pop, message.warm_key, None)
+        elif isinstance(message, m.SetTenants):
+            self.engine.set_tenants(message.policies)
+        elif isinstance(message, m.SetShareWeight):
+            self.engine.set_share_weight(message.name, message.share_weight)
+        elif isinstance(message, m.Stop):
+            return False
+        return True
+
+    def _submit(self, request) -> None:
+        request_id = request.request_id
+
+        def on_output(out) -> None:  # engine thread
+            self.outbox.put(m.Outputs([(request_id, out)]))
+
+        try:
+            self.engine.submit(request, on_output)
+        except Exception as e:  # its grammar does not compile (400), its model just left, the engine failed
+            reason = "rejected" if isinstance(e, ValueError) else "abort" if isinstance(e, KeyError) else "error"
+            message = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+            self.outbox.put(m.Outputs([(request_id, RequestOutput(request_id, "", [], True, reason, message))]))
+
+    def _embed(self, message: m.Embed) -> None:
+        try:
+            future = self.engine.embed(message.request)
+        except Exception as e:
+            self.outbox.put(m.Reply(message.call_id, error=e))
+            return
+        future.add_done_callback(lambda f: self.outbox.put(
+            m.Reply(message.call_id, error=f.exception()) if f.exception() else m.Reply(message.call_id, f.result())))
+
+    def _reply(self, call_id: int, fn, message) -> None:
+        try:
+            self.outbox.put(m.Reply(call_id, fn(message)))
+        except Exception as e:
+            log.exception("%s failed", type(message).__name__)
+            self.outbox.put(m.Reply(call_id, error=e))
+
+    def _load(self, message: m.LoadModel) -> m.Loaded:
+        device = self.engine.config.device
+        warm = self.warm.pop(message.warm_key, None) if message.warm_key is not None else None
+        if warm is not None:
+            model = to_device(warm, device)
+        else:
+            def progress(done_bytes: int, total_bytes: int) -> None:
+                self.outbox.put(m.Progress(message.call_id, done_bytes, total_bytes))
+
+            model = load_model(message.path, dtype=message.dtype, device=device, progress=progress,
+                               weights=message.weights)
+        self.engine.add_model(message.name, model, share_weight=message.share_weight)
+        self.loaded[message.name] = model
+        return m.Loaded(model.weights, model.weight_bytes, warm is not None)
+
+    def _unload(self, message: m.UnloadModel) -> None:
+        self.engine.remove_model(message.name)
+        model = self.loaded.pop(message.name)
+        if message.warm_key is not None:
+            self.warm[message.warm_key] = to_host(model)
+        del model
+        return_freed_memory()
+
+
+def serve(conn: Connection) -> None:
+    spec: m.WorkerSpec = conn.recv()
+    logging.basicConfig(level=logging.INFO, format=f"gpushare worker {spec.name}: %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    engine = Engine(spec.config)
+    install_test_stall(engine)
+    outbox = Outbox(conn)
+    host = WorkerHost(engine, outbox, spec)
+    engine.start()
+    threading.Thread(target=host.exit_when_failed, name="gpushare-worker-watch", daemon=True).start()
+    log.info("engine thread %d pinned to CPUs %s, %d torch threads", engine.thread_native_id,
+             ",".join(map(str, spec.config.cpus or [])), spec.config.num_threads or 0)
+    outbox.put(m.Ready(os.getpid()))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the supervisor is gone
+                break
+            if not host.handle(message):
+                break
+    finally:
+        engine.shutdown()
+        outbox.close()
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1])))

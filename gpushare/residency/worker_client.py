@@ -1,0 +1,293 @@
+"""The supervisor's handle on one engine worker process (engine/worker.py): a Device.
+
+It starts the process with its device's environment and CPUs, sends typed messages, and a reader
+thread takes everything coming back: outputs go to the callback of their request, snapshots
+replace ``snapshot`` whole (all the event loop reads of the engine), replies and load progress go
+to the caller waiting on them. Its surface is the in-process device's (residency/devices.py), so
+the registry and the API do not care where the engine runs.
+
+When the process dies (killed, OOM, a CUDA error, an engine failure) every request in flight
+ends with an "abort" output naming the death (the API answers 503 with Retry-After, or ends the
+stream with an error object), every waiting call raises WorkerDied, and ``on_exit`` tells the
+supervisor, which restarts the worker (daemon_devices.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from gpushare.engine import worker_messages as m
+from gpushare.engine.engine_stats import EngineSnapshot, EngineStats
+from gpushare.engine.sequence import RequestOutput
+from gpushare.engine.tenants import TenantPolicy
+from gpushare.models.loader import LoadedModel, load_model_head
+
+log = logging.getLogger("gpushare.workers")
+
+START_TIMEOUT_S = 120.0  # importing torch and starting the engine; minutes only on a cold, slow disk
+STOP_TIMEOUT_S = 10.0
+
+
+class WorkerDied(RuntimeError):
+    """The worker process ended while a call waited on it."""
+
+
+class WorkerClient:
+    def __init__(self, spec: m.WorkerSpec, env: dict[str, str], kv_pool_bytes: int,
+                 on_exit: Callable[["WorkerClient", str], None] | None = None):
+        self.name = spec.name
+        self.spec = spec
+        self.env = env  # the device's variables (CUDA_VISIBLE_DEVICES, MPS), over the daemon's own
+        self.kv_pool_bytes = kv_pool_bytes
+        self.on_exit = on_exit  # (client, why) from the reader thread, once the process is gone
+        self.pid: int | None = None
+        self.tenant_policies: dict[str, TenantPolicy] = {}
+        self.snapshot = self._blank_snapshot()
+        self.exit_reason: str | None = None
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._sinks: dict[str, list] = {}  # request id -> [on_output, answers still running]
+        self._calls: dict[int, tuple[Future, Callable | None]] = {}  # call id -> (future, on progress)
+        self._call_ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _sinks and _calls against the reader thread
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._exit_told = False  # on_exit already called for this process (its engine failed)
+
+    def _blank_snapshot(self) -> EngineSnapshot:
+        """What a worker that is not running (yet) shows: no models, nothing queued."""
+        return EngineSnapshot(EngineStats(0, kv_pool_bytes=self.kv_pool_bytes, max_num_seqs=self.spec.config.max_num_seqs),
+                              {}, time.monotonic(), None)
+
+    # ---- life -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the process and wait until its engine runs (blocking: call it off the event loop)."""
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join()  # the last process's end is fully handled before this one starts
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, **self.env}
+        self._process = subprocess.Popen([sys.executable, "-m", "gpushare.engine.worker", str(theirs.fileno())],
+                                         env=env, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self.exit_reason = None
+        self._exit_told = False
+        self.snapshot = self._blank_snapshot()
+        self._ready.clear()
+        self._send(self.spec)
+        self._reader = threading.Thread(target=self._read_loop, name=f"gpushare-worker-{self.name}", daemon=True)
+        self._reader.start()
+        if not self._ready.wait(START_TIMEOUT_S) or self.exit_reason is not None:
+            self.kill()
+            raise WorkerDied(f"the engine worker for {self.name} did not start: {self.exit_reason or 'timed out'}")
+        log.info("engine worker for %s started: pid %d, CPUs %s", self.name, self.pid, self.spec.config.cpus)
+
+    def shutdown(self) -> None:
+        """Ask the worker to stop, then make sure it has (blocking)."""
+        if self._process is None:
+            return
+        self.on_exit = None  # an asked-for exit needs no restart
+        try:
+            self._send(m.Stop())
+        except WorkerDied:
+            pass
+        try:
+            self._process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    @property
+    def config(self):
+        """The worker engine's EngineConfig (its device, cpus, limits)."""
+        return self.spec.config
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None and self.exit_reason is None
+
+    @property
+    def failure(self) -> str | None:
+        """Never failed for good: a worker whose engine fails exits, and the supervisor restarts it."""
+        return None
+
+    @property
+    def last_tick_s(self) -> float:
+        return self.snapshot.last_tick_s
+
+    # ---- the engine's surface -------------------------------------------------------------
+    def submit(self, request, on_output: Callable[[RequestOutput], None]) -> str:
+        if self.snapshot.failure is not None:  # it is exiting; the supervisor restarts it
+            raise KeyError(f"the engine worker for {self.name} failed: {self.snapshot.failure}")
+        with self._lock:
+            self._sinks[request.request_id] = [on_output, request.params.n]
+        try:
+            self._send(m.Submit(request))
+        except WorkerDied as e:
+            self._sinks.pop(request.request_id, None)
+            raise KeyError(str(e)) from None
+        return request.request_id
+
+    def cancel(self, request_id: str) -> None:
+        try:
+            self._send(m.Cancel(request_id))
+        except WorkerDied:
+            pass  # its death ended the request already
+
+    def embed(self, request) -> Future:
+        return self._call(lambda call_id: m.Embed(call_id, request))
+
+    def stats(self) -> EngineStats:
+        return self.snapshot.stats
+
+    def tenant_stats(self) -> dict:
+        return self.snapshot.tenants
+
+    def has_work(self, model_name: str | None = None) -> bool:
+        models = self.snapshot.stats.models
+        chosen = [models[model_name]] if model_name in models else ([] if model_name else list(models.values()))
+        return any(s.running or s.waiting for s in chosen)
+
+    def set_tenants(self, policies: list[TenantPolicy]) -> None:
+        self.tenant_policies = {p.name: p for p in policies}
+        self._send_quietly(m.SetTenants(policies))
+
+    def set_share_weight(self, name: str, share_weight: float) -> None:
+        self._send_quietly(m.SetShareWeight(name, share_weight))
+
+    # ---- models ---------------------------------------------------------------------------
+    def load(self, name: str, path: str, dtype: str, weights: str, share_weight: float, progress, warm,
+             warm_key: tuple) -> tuple[LoadedModel, int, bool]:
+        """Build the model in the worker (from its warm tier when ``warm`` says it is there); returns
+        the model's text side for this process, its weight bytes and whether it came warm. Blocking."""
+        head = warm or load_model_head(path, weights, dtype, self.spec.config.device)
+        loaded: m.Loaded = self._call(lambda call_id: m.LoadModel(call_id, name, path, dtype, weights, share_weight,
+                                                                  warm_key if warm else None),
+                                      progress).result()
+        head.weights = loaded.weights
+        head.metadata["weights"] = loaded.weights
+        return head, loaded.weight_bytes, loaded.warm
+
+    def unload(self, name: str, model: LoadedModel, warm_key: tuple | None) -> LoadedModel | None:
+        """Remove the model from the worker's engine, keeping it warm there under ``warm_key``; returns
+        what the supervisor's warm tier holds for it (the text side). Blocking."""
+        self._call(lambda call_id: m.UnloadModel(call_id, name, warm_key)).result()
+        return model if warm_key is not None else None
+
+    def drop_warm(self, warm_key: tuple) -> None:
+        self._send_quietly(m.DropWarm(warm_key))
+
+    # ---- plumbing -------------------------------------------------------------------------
+    def _send(self, message) -> None:
+        with self._send_lock:
+            if self._conn is None or self.exit_reason is not None:
+                raise WorkerDied(f"the engine worker for {self.name} is not running ({self.exit_reason or 'stopped'})")
+            try:
+                self._conn.send(message)
+            except (OSError, EOFError) as e:
+                raise WorkerDied(f"the engine worker for {self.name} is gone ({e})") from None
+
+    def _send_quietly(self, message) -> None:
+        """For settings: a dead worker gets them again when it restarts."""
+        try:
+            self._send(message)
+        except WorkerDied:
+            pass
+
+    def _call(self, make_message, on_progress=None) -> Future:
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = (future, on_progress)
+        try:
+            self._send(make_message(call_id))
+        except WorkerDied as e:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            future.set_exception(e)
+        return future
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._dispatch(message)
+        self._died()
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, m.Outputs):
+            for request_id, out in message.items:
+                with self._lock:
+                    sink = self._sinks.get(request_id)
+                    if sink is not None and out.finished:
+                        sink[1] -= 1
+                        if sink[1] == 0 or out.finish_reason in ("error", "abort", "rejected"):
+                            del self._sinks[request_id]
+                if sink is not None:
+                    sink[0](out)
+        elif isinstance(message, m.Snapshot):
+            self.snapshot = message.snapshot
+            if message.snapshot.failure is not None and not self._exit_told and self.on_exit is not None:
+                # Its engine failed and the process is ending: the supervisor need not wait for the exit.
+                self._exit_told = True
+                self.on_exit(self, f"the engine of device {self.name} failed: {message.snapshot.failure}")
+        elif isinstance(message, m.Reply):
+            with self._lock:
+                future, _ = self._calls.pop(message.call_id, (None, None))
+            if future is not None:
+                if message.error is not None:
+                    future.set_exception(message.error)
+                else:
+                    future.set_result(message.value)
+        elif isinstance(message, m.Progress):
+            _, on_progress = self._calls.get(message.call_id, (None, None))
+            if on_progress is not None:
+                on_progress(message.done_bytes, message.total_bytes)
+        elif isinstance(message, m.Ready):
+            self.pid = message.pid
+            self._ready.set()
+
+    def _died(self) -> None:
+        """The connection closed: the process is gone or going. End everything that waited on it."""
+        code = self._process.wait() if self._process is not None else None
+        why = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        reason = f"the engine worker for device {self.name} (pid {self.pid}) {why}"
+        with self._send_lock:
+            self.exit_reason = reason
+            if self._conn is not None:
+                self._conn.close()
+        self.snapshot = self._blank_snapshot()
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for request_id, (on_output, _) in sinks.items():
+            on_output(RequestOutput(request_id, "", [], True, "abort", f"{reason}; retry"))
+        for future, _ in calls.values():
+            if not future.done():
+                future.set_exception(WorkerDied(reason))
+        self._ready.set()
+        if self.on_exit is None:  # asked to stop
+            log.info("%s", reason)
+            return
+        log.error("%s", reason)
+        if not self._exit_told:
+            self.on_exit(self, reason)
