@@ -20,7 +20,7 @@ from test_oracle import NEW_TOKENS, conversations, oracle_answers
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, sysfs_root  # noqa: E402
 
-A, B = "smol-a", "smol-b"
+A, B, R = "smol-a", "smol-b", "smol-r"
 RESTART_WITHIN_S = 60
 
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
@@ -37,7 +37,8 @@ def two_devices(tmp_path_factory, smollm2_path):
     overrides = {"engine": {"devices": ["cpu:0", "cpu:1"], "weights": "float32", "max_num_seqs": 4,
                             "max_num_batched_tokens": 512},
                  "models": [{"name": A, "path": smollm2_path, "device": "cpu:0", "preload": True},
-                            {"name": B, "path": smollm2_path, "device": "cpu:1", "preload": True}]}
+                            {"name": B, "path": smollm2_path, "device": "cpu:1", "preload": True},
+                            {"name": R, "path": smollm2_path, "replicas": 2}]}
     with serving(tmp_path_factory.mktemp("devices"), smollm2_path, overrides) as daemon:
         yield daemon
 
@@ -100,6 +101,29 @@ def test_both_devices_answer_exactly_as_the_oracle_at_once(two_devices, llm, ora
     for t in threads:
         t.join(300)
     assert answers == {(model, i): expected_text(llm, oracle_outputs, i) for i in range(4) for model in (A, B)}
+
+
+@needs_two_cpus
+def test_a_model_with_two_replicas_is_on_both_devices_and_answers_alike(two_devices, llm, oracle_outputs):
+    assert chat_text(two_devices, R, 0) == expected_text(llm, oracle_outputs, 0)  # loads the first copy
+    assert wait_for(lambda: len([m for m in ps_rows(two_devices) if m["name"] == R]) == 2, 60)
+    copies = [m for m in ps_rows(two_devices) if m["name"] == R]
+    assert {m["device"] for m in copies} == {"cpu:0", "cpu:1"}
+    answers = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, chat_text(two_devices, R, i)))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert answers == {i: expected_text(llm, oracle_outputs, i) for i in range(4)}
+    assert all(m["device"] in ("cpu:0", "cpu:1") for m in ps_rows(two_devices))
+    status, _, _ = http("POST", two_devices.url + "/api/generate", {"model": R, "keep_alive": 0})
+    assert status == 200 and wait_for(lambda: R not in {m["name"] for m in ps_rows(two_devices)}, 30)
+
+
+def ps_rows(daemon) -> list[dict]:
+    return http("GET", daemon.url + "/api/ps")[1]["models"]
 
 
 @needs_two_cpus

@@ -238,3 +238,81 @@ def test_size_estimate_from_the_file_header_equals_the_loaded_size(smollm2_path,
     cut.write_bytes(open(smollm2_path, "rb").read(4096))
     with pytest.raises(ValueError, match="cut.gguf: corrupt or truncated GGUF file"):
         count_tensors(str(cut))
+
+
+@pytest.fixture
+def two_engines():
+    engines = [Engine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_bytes=8 << 20))
+               for _ in range(2)]
+    for e in engines:
+        e.start()
+    yield engines
+    for e in engines:
+        e.shutdown()
+
+
+def two_device_registry(engines, tmp_path, smollm2_path, loader, models: list[ModelEntry]) -> Registry:
+    settings = Settings(models=models, models_dir=tmp_path / "models")
+    settings.memory.kv_budget_bytes = 8 << 20
+    settings.memory.max_loaded_models = 2
+    settings.engine.max_num_seqs = 2
+    settings.server.max_queued = 4
+    devices = {f"cpu:{i}": LocalDevice(e, name=f"cpu:{i}", loader=loader) for i, e in enumerate(engines)}
+    return Registry(devices, settings, dtype="float32")
+
+
+def test_a_model_loads_on_its_device_else_where_the_least_work_is(two_engines, tmp_path, smollm2_path, llm):
+    models = [ModelEntry("pinned", smollm2_path, device="cpu:1"), ModelEntry("a", smollm2_path),
+              ModelEntry("b", smollm2_path)]
+    reg = two_device_registry(two_engines, tmp_path, smollm2_path, CountingLoader(llm.model), models)
+
+    async def main():
+        async with reg.use("pinned") as pinned:
+            async with reg.use("a") as a:  # cpu:1 has a request in flight: cpu:0 has less work
+                async with reg.use("b") as b:  # one request each now: the first device in order
+                    return pinned.entry.device, a.entry.device, b.entry.device
+
+    assert asyncio.run(main()) == ("cpu:1", "cpu:0", "cpu:0")
+    assert loaded_names(two_engines[0]) == {"a", "b"} and loaded_names(two_engines[1]) == {"pinned"}
+
+
+def test_a_model_with_replicas_gets_a_copy_per_device_and_requests_spread(two_engines, tmp_path, smollm2_path,
+                                                                           llm):
+    loader = CountingLoader(llm.model)
+    reg = two_device_registry(two_engines, tmp_path, smollm2_path, loader,
+                              [ModelEntry("r", smollm2_path, replicas=2)])
+
+    async def main():
+        async with reg.use("r") as first:
+            assert await eventually(lambda: len(reg.loaded()) == 2)  # the second copy loads in the background
+            async with reg.use("r") as second:  # the copy with nothing outstanding
+                devices = {first.entry.device, second.entry.device}
+        await reg.unload("r")
+        return devices
+
+    assert asyncio.run(main()) == {"cpu:0", "cpu:1"}
+    assert len(loader.calls) == 2
+    assert loaded_names(two_engines[0]) == set() and loaded_names(two_engines[1]) == set()
+
+
+def test_a_dead_device_loses_its_models_and_loads_wait_until_it_is_back(two_engines, tmp_path, smollm2_path, llm):
+    reg = two_device_registry(two_engines, tmp_path, smollm2_path, CountingLoader(llm.model),
+                              [ModelEntry("m", smollm2_path, device="cpu:0")])
+    healthy = {"cpu:0": True, "cpu:1": True}
+    reg.residency.is_healthy = healthy.__getitem__
+
+    async def main():
+        await reg.load("m")
+        healthy["cpu:0"] = False
+        reg.forget_device("cpu:0")  # what the supervisor does when the worker dies
+        assert reg.loaded() == []
+        waiting = asyncio.create_task(reg.load("m"))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # its device is restarting
+        await asyncio.to_thread(two_engines[0].remove_model, "m")  # a restarted worker starts empty
+        healthy["cpu:0"] = True
+        reg.device_back("cpu:0")
+        lease = await asyncio.wait_for(waiting, 10)
+        return lease.entry.device
+
+    assert asyncio.run(main()) == "cpu:0"

@@ -48,6 +48,7 @@ class ModelSource:
     definition: str | None = None  # the file that defines it beside the weights: a .modelfile or a manifest
     sha256: str | None = None  # the weights' real digest when known (Ollama's blob name)
     device: str | None = None  # models[].device: the device it must load on; None: placement chooses
+    replicas: int = 1  # models[].replicas: copies on as many devices
 
     @property
     def format(self) -> str:
@@ -131,7 +132,8 @@ def model_sources(settings: Settings) -> dict[str, ModelSource]:
     for m in settings.models:
         found[m.name] = ModelSource(m.name, m.path, m.keep_alive_s, origin="config", pinned=m.pinned,
                                     preload=m.preload, weight=m.weight, weights=m.weights,
-                                    preset=ModelPreset(dict(m.options), m.system), device=m.device)
+                                    preset=ModelPreset(dict(m.options), m.system), device=m.device,
+                                    replicas=m.replicas)
     return found
 
 

@@ -102,7 +102,8 @@ class Registry:
         raise ModelNotFound(f'model "{name}" not found')
 
     def loaded(self) -> list[LoadedEntry]:
-        return list(self.residency.loaded.values())
+        """Every loaded copy (a model with replicas appears once per device it is on)."""
+        return self.residency.entries()
 
     def loading(self) -> list[LoadJob]:
         return list(self.residency.jobs.values())
@@ -186,7 +187,7 @@ class Registry:
     async def use(self, name: str, keep_alive_s: float | None = None):
         """Hold `name` loaded for one request; raises ModelNotFound, RegistryFull, ModelLoadError."""
         source = self.find(name)
-        entry = self.residency.loaded.get(source.name)
+        entry = self.pick_copy(source.name)
         if entry is not None and not entry.retired:
             if entry.active >= self.max_requests_per_model:
                 raise RegistryFull(f'model "{source.name}" has {entry.active} requests in flight, the most it '
@@ -199,10 +200,23 @@ class Registry:
             lease = Lease(entry, time.monotonic() - t0)
         entry.last_used = time.monotonic()
         self._set_keep_alive(entry, keep_alive_s)
+        if source.replicas > 1:
+            self.residency.grow_replicas(source)
         try:
             yield lease
         finally:
             self._release(entry)
+
+    def pick_copy(self, name: str) -> LoadedEntry | None:
+        """The loaded copy of `name` with the fewest requests outstanding (leases held, plus what its
+        device's latest snapshot has queued for it); None when none is loaded."""
+        copies = [e for e in self.residency.copies(name) if not e.retired]
+
+        def outstanding(entry: LoadedEntry) -> int:
+            stats = entry.engine.stats().models.get(entry.name)
+            return entry.active + (stats.waiting if stats else 0)
+
+        return min(copies, key=outstanding, default=None) or self.residency.loaded.get(name)
 
     async def load(self, name: str, keep_alive_s: float | None = None) -> Lease:
         """Load without a request (Ollama's empty prompt): resets keep_alive as a request would."""
@@ -218,12 +232,13 @@ class Registry:
         job = self.residency.jobs.get(source.name)
         if job is not None:
             await asyncio.gather(job.task, return_exceptions=True)
-        entry = self.residency.loaded.get(source.name)
-        if entry is None:
+        copies = self.residency.copies(source.name)
+        if not copies:
             return False
-        entry.keep_alive_s = 0.0
-        if entry.active == 0:
-            await asyncio.shield(self.residency.start_unload(entry))
+        for entry in copies:
+            entry.keep_alive_s = 0.0
+            if entry.active == 0:
+                await asyncio.shield(self.residency.start_unload(entry))
         return True
 
     async def preload(self) -> None:
@@ -246,7 +261,7 @@ class Registry:
         """
         self._apply_limits(settings)
         sources = self.sources()
-        for entry in list(self.residency.loaded.values()):
+        for entry in self.residency.entries():
             new = sources.get(entry.name)
             if new is None or new.path != entry.source.path:
                 entry.retired = True
@@ -321,14 +336,14 @@ class Registry:
 
     def _expire(self, entry: LoadedEntry) -> None:
         entry.timer = None
-        if entry.active == 0 and self.residency.loaded.get(entry.name) is entry:
+        if entry.active == 0 and self.residency.holds(entry):
             self.residency.start_unload(entry)
 
     def _release(self, entry: LoadedEntry) -> None:
         """A lease ends; the last one starts the keep_alive timer (or the unload of a retired model)."""
         entry.active -= 1
         entry.last_used = time.monotonic()
-        if entry.active == 0 and self.residency.loaded.get(entry.name) is entry:
+        if entry.active == 0 and self.residency.holds(entry):
             if entry.retired:
                 self.residency.start_unload(entry)
             else:

@@ -5,7 +5,9 @@ Placement: a model loads on one device: the one its `models[].device` names, els
 device where it fits now (counting what idle models' unloading frees) with the least outstanding
 work (requests running and queued, from its latest snapshot, plus leases), else the one with the
 most free memory, where it waits for room. The budget, max_loaded_models, LRU and keep_alive hold
-per device.
+per device. A model with `models[].replicas` N gets further copies on other devices, loaded in the
+background once it is in use (`grow_replicas`); the registry sends each request to the copy with
+the fewest requests outstanding.
 
 One load job per model: concurrent requests for it wait on the same job, and the moment it
 has loaded each of them holds a lease (so nothing can evict it between the load and their
@@ -74,6 +76,11 @@ class LoadedEntry:
         return self.engine.name
 
     @property
+    def key(self) -> str:
+        """This copy of the model: its name on its device."""
+        return f"{self.name}@{self.device}"
+
+    @property
     def name(self) -> str:
         return self.source.name
 
@@ -94,6 +101,7 @@ class LoadJob:
     waiters: int = 0  # requests waiting; they hold a lease the moment it loads
     task: asyncio.Task | None = None
     device: str | None = None  # where it loads (placement), once chosen
+    replica: bool = False  # a further copy, loaded in the background (no request waits for it)
 
     @property
     def progress(self) -> float:
@@ -112,9 +120,11 @@ class Residency:
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
         self._release = release  # (LoadedEntry) -> None, to give a lease back
         self._find_device = find_device or (lambda text: text)  # models[].device as written -> device name
-        self.loaded: dict[str, LoadedEntry] = {}
+        self.loaded: dict[str, LoadedEntry] = {}  # each model's first copy, by name
+        self.replicas: dict[str, list[LoadedEntry]] = {}  # its further copies, on other devices
         self.jobs: dict[str, LoadJob] = {}
-        self.unloading: dict[str, asyncio.Task] = {}
+        self.unloading: dict[str, asyncio.Task] = {}  # by LoadedEntry.key
+        self.unloading_entries: list[LoadedEntry] = []
         self.warm = WarmCache(0, on_drop=self._drop_warm)
         self.budget_bytes = 0  # memory.budget, per device
         self.max_models = 1  # memory.max_loaded_models, per device
@@ -135,33 +145,66 @@ class Residency:
     def warm_key(self, source: ModelSource, device: str) -> tuple:
         return (source.digest(), self.dtype, self.weights_of(source), device)
 
+    def entries(self) -> list[LoadedEntry]:
+        """Every loaded copy of every model."""
+        return list(self.loaded.values()) + [e for copies in self.replicas.values() for e in copies]
+
+    def copies(self, name: str) -> list[LoadedEntry]:
+        first = self.loaded.get(name)
+        return ([first] if first is not None else []) + self.replicas.get(name, [])
+
+    def holds(self, entry: LoadedEntry) -> bool:
+        return any(e is entry for e in self.copies(entry.name))
+
+    def _forget(self, entry: LoadedEntry) -> None:
+        """Drop `entry` from the loaded copies; a further copy becomes the first when it was the first."""
+        if self.loaded.get(entry.name) is entry:
+            rest = self.replicas.pop(entry.name, [])
+            if rest:
+                self.loaded[entry.name] = rest.pop(0)
+                if rest:
+                    self.replicas[entry.name] = rest
+            else:
+                del self.loaded[entry.name]
+        else:
+            self.replicas[entry.name] = [e for e in self.replicas.get(entry.name, []) if e is not entry]
+            if not self.replicas[entry.name]:
+                del self.replicas[entry.name]
+
     def is_warm(self, source: ModelSource) -> bool:
         return any(self.warm_key(source, d) in self.warm for d in self.devices)
 
     def used_bytes(self, device: str) -> int:
         """memory.budget in use on `device`: its engine's KV pool, its loaded models, the loads that found room."""
         return (self.devices[device].kv_pool_bytes
-                + sum(e.size_bytes for e in self.loaded.values() if e.device == device)
+                + sum(e.size_bytes for e in self.entries() if e.device == device)
                 + sum(j.reserved_bytes for j in self.jobs.values() if j.device == device))
 
     def residents(self, device: str) -> list[Resident]:
-        return [Resident(e.name, e.size_bytes, e.last_used,
+        return [Resident(e.key, e.size_bytes, e.last_used,
                          e.active == 0 and not e.source.pinned and not e.engine.has_work(e.name))
-                for e in self.loaded.values() if e.device == device]
+                for e in self.entries() if e.device == device]
+
+    def _entry(self, key: str) -> LoadedEntry:
+        return next(e for e in self.entries() if e.key == key)
 
     def outstanding(self, device: str) -> int:
         """Requests on `device`: leases held on its models and loads heading there."""
-        return (sum(e.active for e in self.loaded.values() if e.device == device)
+        return (sum(e.active for e in self.entries() if e.device == device)
                 + sum(j.waiters for j in self.jobs.values() if j.device == device))
 
-    def place(self, source: ModelSource, need_bytes: int) -> str:
-        """The device `source` loads on (see the module docstring)."""
+    def place(self, source: ModelSource, need_bytes: int, exclude: set[str] = frozenset()) -> str | None:
+        """The device `source` loads on (see the module docstring), never one of `exclude`; None when
+        only those are left."""
         if source.device is not None:
             return self._find_device(source.device)
-        healthy = [d for d in self.devices if self.is_healthy(d)] or list(self.devices)
+        candidates = [d for d in self.devices if d not in exclude]
+        healthy = [d for d in candidates if self.is_healthy(d)] or candidates
+        if not healthy:
+            return None
 
         def fits_now(device: str) -> bool:
-            counted = len([e for e in self.loaded.values() if e.device == device])
+            counted = len([e for e in self.entries() if e.device == device])
             return plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
                                   self.max_models, counted) is not None
 
@@ -172,12 +215,12 @@ class Residency:
 
     def forget_device(self, device: str) -> list[LoadedEntry]:
         """`device`'s worker died: its models and warm entries are gone. Returns the entries dropped."""
-        gone = [e for e in self.loaded.values() if e.device == device]
+        gone = [e for e in self.entries() if e.device == device]
         for entry in gone:
             if entry.timer is not None:
                 entry.timer.cancel()
                 entry.timer = None
-            del self.loaded[entry.name]
+            self._forget(entry)
         self.warm.drop_device(device)
         self.notify_room()
         return gone
@@ -198,11 +241,11 @@ class Residency:
     def evict_over_limits(self) -> None:
         """After the limits shrank: unload idle models, least recently used first, until they hold."""
         for device in self.devices:
-            count = len([e for e in self.loaded.values() if e.device == device])
+            count = len([e for e in self.entries() if e.device == device])
             victims = plan_evictions(self.residents(device), 0, self.used_bytes(device), self.budget_bytes,
                                      self.max_models + 1, count)
             for victim in victims or []:
-                self.start_unload(self.loaded[victim.name])
+                self.start_unload(self._entry(victim.name))
 
     # ------------------------------------------------------------------ load
 
@@ -213,7 +256,7 @@ class Residency:
             if entry is not None and not entry.retired:
                 entry.active += 1
                 return entry
-            if entry is not None or source.name in self.unloading:  # the old one must leave first
+            if entry is not None or any(e.name == source.name for e in self.unloading_entries):  # it must leave first
                 await self.room_changed()
                 continue
             job = self.jobs.get(source.name)
@@ -234,11 +277,23 @@ class Residency:
                     job.waiters -= 1
                 raise
 
-    async def _run(self, job: LoadJob) -> LoadedEntry:
+    def grow_replicas(self, source: ModelSource) -> None:
+        """Start loading one more copy of `source` in the background when it has fewer than
+        `source.replicas` and a device without one is left."""
+        job_key = f"{source.name}@replica"
+        if len(self.copies(source.name)) >= source.replicas or job_key in self.jobs or self.closing:
+            return
+        job = self.jobs[job_key] = LoadJob(source, replica=True)
+        job.task = asyncio.get_running_loop().create_task(self._run(job, job_key))
+        job.task.add_done_callback(_log_replica_failure)
+
+    async def _run(self, job: LoadJob, job_key: str | None = None) -> LoadedEntry:
         source = job.source
         try:
             estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
-            job.device = self.place(source, estimate_bytes)
+            job.device = self.place(source, estimate_bytes, {e.device for e in self.copies(source.name)})
+            if job.device is None:
+                raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
             key = self.warm_key(source, job.device)
             if key not in self._sizes:
                 estimate_bytes, parameter_count = await self._size(source, job.device)
@@ -249,11 +304,14 @@ class Residency:
             await asyncio.gather(*evictions, *self.unloading.values())
             entry = await self._load(job, key, estimate_bytes, parameter_count)
             entry.active = job.waiters  # each waiting request holds a lease from this moment
-            self.loaded[source.name] = entry
+            if job.replica and self.loaded.get(source.name) is not None:
+                self.replicas.setdefault(source.name, []).append(entry)
+            else:
+                self.loaded[source.name] = entry
             self._on_loaded(entry)
             return entry
         finally:
-            del self.jobs[source.name]
+            del self.jobs[job_key or source.name]
             self.notify_room()
 
     async def _size(self, source: ModelSource, device: str) -> tuple[int, int]:
@@ -286,7 +344,7 @@ class Residency:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            here = [e for e in self.loaded.values() if e.device == device]
+            here = [e for e in self.entries() if e.device == device]
             pinned_bytes = sum(e.size_bytes for e in here if e.source.pinned)
             kv_pool_bytes = self.devices[device].kv_pool_bytes
             if need_bytes + pinned_bytes + kv_pool_bytes > self.budget_bytes:
@@ -299,7 +357,7 @@ class Residency:
                                      self.max_models, len(here) + reserving)
             if victims is not None:
                 job.reserved_bytes = need_bytes
-                return [self.start_unload(self.loaded[v.name]) for v in victims]
+                return [self.start_unload(self._entry(v.name)) for v in victims]
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 busy = ", ".join(e.name for e in here if e.active) or "none"
@@ -340,7 +398,7 @@ class Residency:
                                      f"{weight_bytes} bytes of weights, more than memory.budget "
                                      f"({self.budget_bytes} bytes) has free on device {device.name} while the "
                                      f"other models are busy")
-            await asyncio.gather(*[self.start_unload(self.loaded[v.name]) for v in victims])
+            await asyncio.gather(*[self.start_unload(self._entry(v.name)) for v in victims])
         log.info("loaded model %s on %s in %.2fs%s (%d bytes of weights)", source.name, device.name, load_s,
                  " from the warm tier" if was_warm else "", weight_bytes)
         return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, engine=device)
@@ -349,13 +407,14 @@ class Residency:
 
     def start_unload(self, entry: LoadedEntry) -> asyncio.Task:
         """Forget `entry` at once; remove it from the engine (and keep it warm) in a worker thread."""
-        log.info("unloading model %s", entry.name)
+        log.info("unloading model %s from %s", entry.name, entry.device)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        del self.loaded[entry.name]
+        self._forget(entry)
         task = asyncio.get_running_loop().create_task(self._unload(entry))
-        self.unloading[entry.name] = task
+        self.unloading[entry.key] = task
+        self.unloading_entries.append(entry)
         return task
 
     async def _unload(self, entry: LoadedEntry) -> None:
@@ -367,7 +426,8 @@ class Residency:
         except Exception as e:
             log.error("removing model %s from device %s failed: %s", entry.name, entry.device, e)
         finally:
-            del self.unloading[entry.name]
+            del self.unloading[entry.key]
+            self.unloading_entries.remove(entry)
             self.notify_room()
 
     async def close(self) -> None:
@@ -377,5 +437,10 @@ class Residency:
         for job in list(self.jobs.values()):
             await asyncio.gather(job.task, return_exceptions=True)
         self.warm.resize(0)  # shutting down: nothing to keep warm for
-        for entry in list(self.loaded.values()):
+        for entry in self.entries():
             await asyncio.shield(self.start_unload(entry))
+
+
+def _log_replica_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("another copy could not load: %s", task.exception())
