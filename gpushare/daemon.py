@@ -81,7 +81,7 @@ def plan_workers(settings: Settings):
 
 
 def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
-    from gpushare.engine.engine import EngineConfig
+    from gpushare.engine.engine_config import EngineConfig
     from gpushare.engine.worker_messages import WorkerSpec
 
     e = settings.engine

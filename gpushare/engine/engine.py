@@ -20,14 +20,17 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from gpushare.engine.engine_config import EngineConfig, ModelWorker
+from gpushare.engine.inbox import Call, Cancel, Embed, Submit, Wake
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
 from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, tenant_stats
-from gpushare.engine.kv_cache import BlockPool, KVCacheBusy
+from gpushare.engine.embedding import embed_one
+from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
@@ -44,70 +47,6 @@ log = logging.getLogger(__name__)
 
 class EngineFailed(RuntimeError):
     """The engine loop stopped after an internal error and takes no more requests."""
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_threads: int | None = None  # torch intra-op threads for the engine; None keeps torch's choice
-    idle_tick_s: float = 0.5  # how often an idle loop wakes (keeps the liveness stamp fresh)
-    prefix_cache: str = "tenant"  # share cached prefix blocks within a tenant | "global" | "off"
-    cpus: list[int] | None = None  # pin the engine thread (and torch's pool) to these CPUs
-    device: str = "cpu"
-    kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model
-    kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 (kv_pool.resolve_kv_dtype)
-    kv_slab_blocks: int = 8  # KV pool slab size, in blocks of the first model loaded
-    kv_idle_release_s: float = 30.0  # a model idle this long drops its cached KV and gives its slabs back
-
-    def __post_init__(self):
-        if self.prefix_cache not in ("tenant", "global", "off"):
-            raise ValueError(f"prefix_cache must be tenant, global or off, got {self.prefix_cache!r}")
-        resolve_kv_dtype(self.kv_dtype, self.device)
-
-
-@dataclass
-class Submit:
-    seq: Sequence
-
-
-@dataclass
-class Cancel:
-    request_id: str
-
-
-@dataclass
-class Embed:
-    model_name: str
-    seqs: list[Sequence]
-    future: Future
-    done: tuple = ()  # the vectors of the inputs before ``seqs``
-
-
-@dataclass
-class Call:
-    """Run ``fn`` on the engine thread; its result or exception goes to ``future``."""
-    fn: Callable
-    future: Future
-
-
-@dataclass
-class Wake:
-    """Nothing to do: wakes an idle loop (to stop)."""
-
-
-@dataclass
-class ModelWorker:
-    name: str
-    loaded: LoadedModel
-    scheduler: Scheduler
-    runner: ModelRunner
-    share_weight: float = 1.0
-    steps: int = 0
-    virtual_steps: float = 0.0  # steps / share_weight, lifted when the model turns busy (fairness)
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
 
 
 class Engine:
@@ -229,35 +168,29 @@ class Engine:
                 priority: str | None = None, clip: bool = False) -> GenerationRequest:
         """A checked request for a loaded model (request.check_request against this engine's latest
         snapshot): what the offline API and in-process callers submit. ValueError says what is wrong."""
-        worker = self.workers.get(model_name)
-        stats = self.snapshot.stats.models.get(model_name)
-        if worker is None or stats is None:
-            raise KeyError(f"model {model_name!r} is not loaded")
         params.validate()
-        config = worker.loaded.config
-        limits = check_request(prompt_ids, params, model_limits(config.context_length, config.vocab_size, stats,
-                                                                self.config.max_num_seqs),
-                               tenant_limit_bytes=self._tenant_limit_bytes(tenant, stats), tenant=tenant,
-                               priority=priority,
-                               clip=clip)
+        model, tenant_limit_bytes = self._limits(model_name, tenant)
+        limits = check_request(prompt_ids, params, model, tenant_limit_bytes=tenant_limit_bytes, tenant=tenant,
+                               priority=priority, clip=clip)
         if params.max_tokens != limits.max_tokens:
             params = replace(params, max_tokens=limits.max_tokens)
         return GenerationRequest(model_name, list(prompt_ids), params, tenant, priority)
 
     def embed_request(self, model_name: str, inputs: list[list[int]], tenant: str = DEFAULT_TENANT) -> EmbedRequest:
         """A checked embedding request for a loaded model (request.check_embed); ValueError says what is wrong."""
+        check_embed(inputs, *self._limits(model_name, tenant), tenant)
+        return EmbedRequest(model_name, [list(ids) for ids in inputs], tenant)
+
+    def _limits(self, model_name: str, tenant: str):
+        """(the model's ModelLimits, the tenant's kv_limit in bytes), from the latest snapshot."""
         worker = self.workers.get(model_name)
         stats = self.snapshot.stats.models.get(model_name)
         if worker is None or stats is None:
             raise KeyError(f"model {model_name!r} is not loaded")
         config = worker.loaded.config
-        check_embed(inputs, model_limits(config.context_length, config.vocab_size, stats, self.config.max_num_seqs),
-                    self._tenant_limit_bytes(tenant, stats), tenant)
-        return EmbedRequest(model_name, [list(ids) for ids in inputs], tenant)
-
-    def _tenant_limit_bytes(self, tenant: str, stats) -> int | None:
+        limits = model_limits(config.context_length, config.vocab_size, stats, self.config.max_num_seqs)
         policy = self.tenant_policies.get(tenant) or TenantPolicy(tenant)
-        return policy.limit_bytes(stats.block_bytes // stats.block_size)
+        return limits, policy.limit_bytes(limits.bytes_per_token)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(Cancel(request_id))
@@ -569,32 +502,18 @@ class Engine:
     def _embed(self, item: Embed) -> None:
         """One input per loop turn (the rest goes back to the inbox), so generation steps run between
         the inputs of a large embedding request."""
-        seqs, future, done = item.seqs, item.future, item.done
         worker = self.workers.get(item.model_name)
         if worker is None:
-            future.set_exception(KeyError(f"model {item.model_name!r} is not loaded"))
-            return
-        if not seqs:
-            future.set_result([])
-            return
-        pool = worker.scheduler.pool
-        seq = seqs[0]
-        try:
-            # An input borrows blocks, charged to its tenant, for one forward pass; preemption
-            # for it follows the same rules as for a prompt.
-            while (refused := pool.grow(seq.block_table, seq.num_tokens, seq.tenant)) is not None:
-                victim = worker.scheduler.victim(seq, refused)
-                if victim is seq:
-                    raise KVCacheBusy(f"no room in the KV cache for the input now ({refused} reached); retry later")
-                worker.scheduler.preempt(victim)
-            try:
-                vectors = (*done, worker.runner.embed(seq))
-            finally:
-                pool.release(seq.block_table, seq.tenant)
-        except Exception as e:
-            future.set_exception(e)
-            return
-        if len(seqs) > 1:
-            self._deferred.append(Embed(item.model_name, seqs[1:], future, vectors))
+            item.future.set_exception(KeyError(f"model {item.model_name!r} is not loaded"))
+        elif not item.seqs:
+            item.future.set_result([])
         else:
-            future.set_result(list(vectors))
+            try:
+                vectors = (*item.done, embed_one(worker.scheduler, worker.runner, item.seqs[0]))
+            except Exception as e:
+                item.future.set_exception(e)
+                return
+            if len(item.seqs) > 1:
+                self._deferred.append(Embed(item.model_name, item.seqs[1:], item.future, vectors))
+            else:
+                item.future.set_result(list(vectors))

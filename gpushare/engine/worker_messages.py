@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpushare.engine.engine import EngineConfig
+from gpushare.engine.engine_config import EngineConfig
 from gpushare.engine.engine_stats import EngineSnapshot
 from gpushare.engine.request import EmbedRequest, GenerationRequest
 from gpushare.engine.sequence import RequestOutput
