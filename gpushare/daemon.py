@@ -212,6 +212,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
     watchdog.start()
     reloader = Reloader(ctx)
     signals = Signals(reloader.request)
+    balancing = asyncio.get_running_loop().create_task(engines.balance_forever())  # node-wide kv_limits
     try:
         runner = await start_http(build_app(ctx), settings)
         try:
@@ -222,12 +223,13 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
             await reloader.finish()
             await drain(runner, ctx, signals.force)
     finally:
+        balancing.cancel()
         watchdog.stop()
 
 
 def device_back(ctx: ApiContext, name: str) -> None:
     """A restarted worker: the live tenant policies again, then the preload and pinned models it is for."""
-    ctx.supervisor.clients[name].set_tenants(list(ctx.engine.tenant_policies.values()))
+    ctx.engine.resend(name)
     ctx.registry.device_back(name)
 
 

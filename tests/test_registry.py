@@ -7,6 +7,7 @@ loader, so each "load" costs an engine.add_model, not a 15 s GGUF parse.
 import asyncio
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -284,13 +285,17 @@ def test_a_model_with_replicas_gets_a_copy_per_device_and_requests_spread(two_en
 
     async def main():
         async with reg.use("r") as first:
+            first.hold_tokens(500)  # a long request
             assert await eventually(lambda: len(reg.loaded()) == 2)  # the second copy loads in the background
             async with reg.use("r") as second:  # the copy with nothing outstanding
-                devices = {first.entry.device, second.entry.device}
+                second.hold_tokens(100)
+                async with reg.use("r") as third:  # 100 tokens outstanding there, 500 on the first copy
+                    devices = [first.entry.device, second.entry.device, third.entry.device]
         await reg.unload("r")
         return devices
 
-    assert asyncio.run(main()) == {"cpu:0", "cpu:1"}
+    first, second, third = asyncio.run(main())
+    assert first != second and third == second
     assert len(loader.calls) == 2
     assert loaded_names(two_engines[0]) == set() and loaded_names(two_engines[1]) == set()
 
@@ -316,3 +321,53 @@ def test_a_dead_device_loses_its_models_and_loads_wait_until_it_is_back(two_engi
         return lease.entry.device
 
     assert asyncio.run(main()) == "cpu:0"
+
+
+def test_a_tenant_kv_limit_counts_across_devices(two_engines, llm):
+    """What the tenant holds on one device comes off its kv_limit on the other (NodeEngines)."""
+    from gpushare.engine.sampling import SamplingParams
+    from gpushare.engine.tenants import TenantPolicy
+    from gpushare.residency.node_engines import NodeEngines
+
+    devices = {f"cpu:{i}": LocalDevice(e, name=f"cpu:{i}") for i, e in enumerate(two_engines)}
+    for e in two_engines:
+        e.add_model("m", llm.model)
+    per_token = two_engines[0].stats().models["m"].block_bytes // 16
+    node = NodeEngines(devices)
+    node.set_tenants([TenantPolicy("t", kv_limit_bytes=200 * per_token, kv_limit_tokens=300), TenantPolicy("free")])
+    assert two_engines[1].tenant_policies["t"].kv_limit_bytes == 200 * per_token  # nothing held anywhere yet
+
+    started, finished = threading.Event(), threading.Event()
+
+    def on_output(out):
+        started.set()
+        if out.finished:
+            finished.set()
+
+    ids = llm.tokenizer.encode(llm.model.render_chat([{"role": "user", "content": "Tell me a long story."}]),
+                               add_special_tokens=False)
+    request = two_engines[0].request("m", ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                                     tenant="t")
+    two_engines[0].submit(request, on_output)
+    assert started.wait(60)
+    held = two_engines[0].tenant_stats()["t"].kv_used_bytes
+    assert held > 0
+    node.balance_kv_limits()
+    other = two_engines[1].tenant_policies
+    assert other["t"].kv_limit_bytes == 200 * per_token - held
+    assert other["t"].kv_limit_tokens == 300 - held // per_token
+    assert other["free"] == node.tenant_policies["free"]  # no limit: nothing to share
+    assert two_engines[0].tenant_policies["t"] == node.tenant_policies["t"]  # it holds nothing elsewhere
+    two_engines[0].cancel(request.request_id)
+    assert finished.wait(60)
+    assert eventually_sync(lambda: two_engines[0].tenant_stats().get("t") is not None
+                           and two_engines[0].tenant_stats()["t"].kv_used_bytes == 0)
+    node.balance_kv_limits()
+    assert two_engines[1].tenant_policies["t"] == node.tenant_policies["t"]
+
+
+def eventually_sync(predicate, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()

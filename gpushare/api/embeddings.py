@@ -31,7 +31,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         timings.load_s = lease.load_duration_s
         if not inputs:
             return [], timings
-        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant)
+        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.engine.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists = []
         encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])

@@ -119,8 +119,9 @@ class Timings:
         }
 
 
-def lease_limits(lease, tenant: str) -> tuple[ModelLimits, int | None]:
-    """The leased model's limits from its engine's latest snapshot, and the tenant's kv_limit in bytes."""
+def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[ModelLimits, int | None]:
+    """The leased model's limits from its engine's latest snapshot, and the tenant's node-wide kv_limit
+    in bytes (`policies`: the node's tenant policies; None: the engine's own)."""
     engine = lease.engine
     stats = engine.stats()
     model_stats = stats.models.get(lease.entry.name)
@@ -128,17 +129,17 @@ def lease_limits(lease, tenant: str) -> tuple[ModelLimits, int | None]:
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
     config = lease.model.config
     limits = model_limits(config.context_length, config.vocab_size, model_stats, stats.max_num_seqs)
-    policy = engine.tenant_policies.get(tenant) or TenantPolicy(tenant)
+    policy = (engine.tenant_policies if policies is None else policies).get(tenant) or TenantPolicy(tenant)
     return limits, policy.limit_bytes(limits.bytes_per_token)
 
 
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
-                    num_ctx: int | None = None, clip: bool = False,
-                    field_names: dict[str, str] | None = None) -> GenerationRequest:
+                    num_ctx: int | None = None, clip: bool = False, field_names: dict[str, str] | None = None,
+                    policies: dict | None = None) -> GenerationRequest:
     """The one GenerationRequest for this request, its max_tokens fixed by engine/request.check_request
     (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
     the dialect) when it can never run."""
-    limits, tenant_limit_bytes = lease_limits(lease, tenant)
+    limits, tenant_limit_bytes = lease_limits(lease, tenant, policies)
     try:
         fixed = check_request(prompt_ids, params, limits, num_ctx=num_ctx, tenant_limit_bytes=tenant_limit_bytes,
                               tenant=tenant, priority=priority, clip=clip)

@@ -43,10 +43,17 @@ class Lease:
     """What a request holds while it runs: the loaded model and what its load cost this request."""
     entry: LoadedEntry
     load_duration_s: float
+    tokens: int = 0  # prompt plus max_tokens of its request, once known: the copy's outstanding work
 
     @property
     def model(self):
         return self.entry.model
+
+    def hold_tokens(self, tokens: int) -> None:
+        """Count the request's tokens (prompt plus every answer's max_tokens) as outstanding on its copy
+        until the lease ends: the registry sends requests to the copy with the fewest."""
+        self.tokens += tokens
+        self.entry.outstanding_tokens += tokens
 
     @property
     def engine(self):
@@ -205,18 +212,15 @@ class Registry:
         try:
             yield lease
         finally:
+            entry.outstanding_tokens -= lease.tokens
             self._release(entry)
 
     def pick_copy(self, name: str) -> LoadedEntry | None:
-        """The loaded copy of `name` with the fewest requests outstanding (leases held, plus what its
-        device's latest snapshot has queued for it); None when none is loaded."""
+        """The loaded copy of `name` with the fewest tokens outstanding (prompt plus max_tokens of the
+        requests it holds; then the fewest requests); None when none is loaded."""
         copies = [e for e in self.residency.copies(name) if not e.retired]
-
-        def outstanding(entry: LoadedEntry) -> int:
-            stats = entry.engine.stats().models.get(entry.name)
-            return entry.active + (stats.waiting if stats else 0)
-
-        return min(copies, key=outstanding, default=None) or self.residency.loaded.get(name)
+        return (min(copies, key=lambda e: (e.outstanding_tokens, e.active), default=None)
+                or self.residency.loaded.get(name))
 
     async def load(self, name: str, keep_alive_s: float | None = None) -> Lease:
         """Load without a request (Ollama's empty prompt): resets keep_alive as a request would."""

@@ -7,7 +7,7 @@ work (requests running and queued, from its latest snapshot, plus leases), else 
 most free memory, where it waits for room. The budget, max_loaded_models, LRU and keep_alive hold
 per device. A model with `models[].replicas` N gets further copies on other devices, loaded in the
 background once it is in use (`grow_replicas`); the registry sends each request to the copy with
-the fewest requests outstanding.
+the fewest tokens outstanding (prompt plus max_tokens of the requests it holds).
 
 One load job per model: concurrent requests for it wait on the same job, and the moment it
 has loaded each of them holds a lease (so nothing can evict it between the load and their
@@ -65,6 +65,7 @@ class LoadedEntry:
     parameter_count: int
     keep_alive_s: float = 0.0
     active: int = 0  # leases held: requests running, queued in the engine, or about to submit
+    outstanding_tokens: int = 0  # prompt plus max_tokens of the requests holding those leases
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
     timer: asyncio.TimerHandle | None = None
