@@ -86,6 +86,11 @@ def test_each_model_runs_on_its_own_device_and_worker(two_devices):
     assert all(m["size_vram"] == 0 and m["device_healthy"] for m in ps.values())
     assert {d: (row["healthy"], row["worker_pid"]) for d, row in devices_of(two_devices).items()} == {
         "cpu:0": (True, ps[A]["worker_pid"]), "cpu:1": (True, ps[B]["worker_pid"])}
+    status, metrics, _ = http("GET", two_devices.url + "/metrics")
+    assert status == 200
+    for device in ("cpu:0", "cpu:1"):
+        assert f'gpushare_device_healthy{{device="{device}"}} 1.0' in metrics
+        assert f'gpushare_device_models_loaded{{device="{device}"}} 1.0' in metrics
 
 
 @needs_two_cpus
@@ -180,6 +185,26 @@ def test_a_request_in_flight_when_its_worker_dies_is_a_503_with_retry_after(two_
     assert wait_for(lambda: devices_of(two_devices)["cpu:0"]["healthy"], RESTART_WITHIN_S)
 
 
+def test_a_device_outside_the_process_affinity_is_a_config_error(tmp_path, smollm2_path):
+    from gpushare.config import ConfigError, parse_settings
+    from gpushare.daemon import check_kv_dtype
+
+    outside = max(os.sched_getaffinity(0)) + 1
+    settings = parse_settings({"models": [], "engine": {"devices": [f"cpu:{outside}"]}}, env={})
+    with pytest.raises(ConfigError, match=f"cpu:{outside}"):
+        check_kv_dtype(settings)  # what `gpushare serve` runs before it starts anything
+
+
+def test_engine_isolation_thread_serves_from_an_engine_in_the_daemon(tmp_path, smollm2_path, llm, oracle_outputs):
+    overrides = {"engine": {"isolation": "thread", "weights": "float32", "max_num_seqs": 4,
+                            "max_num_batched_tokens": 512}}
+    with serving(tmp_path, smollm2_path, overrides) as daemon:
+        model = next(iter(daemon.loaded()))
+        assert chat_text(daemon, model, 0) == expected_text(llm, oracle_outputs, 0)
+        (device,) = devices_of(daemon).values()
+        assert device["worker_pid"] is None and daemon.loaded()[model]["worker_pid"] is None
+
+
 # ---- GPU and MIG nodes: the worker specs the daemon makes (no GPU needed) ------------------------
 
 def plan_for(report_gpus, tree: str, devices=None, node=None):
@@ -220,3 +245,22 @@ def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
         assert client.env["CUDA_MPS_PIPE_DIRECTORY"].endswith("/pipe")
         assert client.config.device == "cuda" and client.config.cpus
     assert len({tuple(c.config.cpus) for c in clients.values()}) == 7  # no two share CPUs
+
+
+def test_a_worker_sends_one_message_per_burst_of_outputs_and_only_its_newest_snapshot():
+    from gpushare.engine import worker_messages as m
+    from gpushare.engine.engine_stats import EngineSnapshot, EngineStats
+    from gpushare.engine.sequence import RequestOutput
+    from gpushare.engine.worker import coalesce
+
+    def out(rid: str) -> m.Outputs:
+        return m.Outputs([(rid, RequestOutput(rid, "x", [1], False))])
+
+    def snap(steps: int) -> m.Snapshot:
+        return m.Snapshot(EngineSnapshot(EngineStats(steps), {}, 0.0, None))
+
+    reply = m.Reply(7, "done")
+    sent = coalesce([out("a"), out("b"), snap(1), snap(2), reply, out("c"), snap(3)])
+    assert [type(x).__name__ for x in sent] == ["Outputs", "Snapshot", "Reply", "Outputs", "Snapshot"]
+    assert [rid for rid, _ in sent[0].items] == ["a", "b"]
+    assert sent[1].snapshot.stats.steps == 2 and sent[4].snapshot.stats.steps == 3

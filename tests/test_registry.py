@@ -371,3 +371,37 @@ def eventually_sync(predicate, timeout_s: float = 10) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.02)
     return predicate()
+
+
+def test_a_gpu_with_ecc_errors_is_marked_unhealthy_and_gets_no_new_model(two_engines, tmp_path, smollm2_path, llm):
+    """DeviceSupervisor's NVML check, on the fake built from the recorded 8xH100 `nvidia-smi -q`."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
+    from node_fakes import FakeNvml, h100_node_gpus
+
+    from gpushare.node.health import XidWatch
+    from gpushare.residency.device_supervisor import DeviceSupervisor
+
+    gpus = h100_node_gpus()[:2]
+    nvml = FakeNvml(gpus)
+    reg = two_device_registry(two_engines, tmp_path, smollm2_path, CountingLoader(llm.model),
+                              [ModelEntry("a", smollm2_path), ModelEntry("b", smollm2_path)])
+    supervisor = DeviceSupervisor(reg.devices, {"cpu:0": gpus[0].uuid, "cpu:1": gpus[1].uuid}, nvml=nvml)
+    reg.residency.is_healthy = supervisor.healthy
+    gpus[0].volatile_uncorrected_ecc = 2
+
+    async def main():
+        xids = XidWatch([g.uuid for g in gpus], nvml)
+        try:
+            await supervisor.check_health(xids)
+        finally:
+            xids.close()
+        async with reg.use("a") as a:  # cpu:0 would have been first in order, with no work either side
+            async with reg.use("b") as b:  # cpu:1 now has a request: still not the faulty one
+                return a.entry.device, b.entry.device
+
+    assert asyncio.run(main()) == ("cpu:1", "cpu:1")
+    assert not supervisor.healthy("cpu:0") and supervisor.healthy("cpu:1")
+    assert "2 uncorrected ECC error(s)" in supervisor.status["cpu:0"].reason

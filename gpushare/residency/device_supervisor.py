@@ -35,8 +35,10 @@ class DeviceStatus:
 
 
 class DeviceSupervisor:
-    def __init__(self, clients: dict[str, WorkerClient], gpu_uuids: dict[str, str | None] | None = None):
+    def __init__(self, clients: dict[str, WorkerClient], gpu_uuids: dict[str, str | None] | None = None,
+                 nvml=None):
         self.clients = clients
+        self.nvml = nvml  # the NVML module (None: pynvml); tests pass a fake built from real captures
         self.status = {name: DeviceStatus() for name in clients}
         self.gpu_uuids = gpu_uuids or {}  # device -> the GPU (or MIG instance) NVML checks
         self.on_lost = None  # (device name) -> None: the registry forgets its models
@@ -106,23 +108,32 @@ class DeviceSupervisor:
 
     # ---- NVML health ----------------------------------------------------------------------
     async def _check_health(self) -> None:
-        from gpushare.node.health import XidWatch, read_health
+        from gpushare.node.health import XidWatch
 
-        uuids = {name: uuid for name, uuid in self.gpu_uuids.items() if uuid}
-        xids = await asyncio.to_thread(XidWatch, sorted(set(uuids.values())))
+        uuids = sorted({uuid for uuid in self.gpu_uuids.values() if uuid})
+        xids = await asyncio.to_thread(XidWatch, uuids, self.nvml)
         try:
             while not self.closing:
                 await asyncio.sleep(HEALTH_CHECK_S)
-                await asyncio.to_thread(xids.poll)
-                for name, uuid in uuids.items():
-                    health = await asyncio.to_thread(read_health, None, uuid, xids)
-                    status = self.status[name]
-                    if not health.healthy and self.clients[name].alive():
-                        if status.healthy:
-                            log.error("device %s is unhealthy: %s", name, "; ".join(health.reasons))
-                        status.healthy, status.reason = False, "; ".join(health.reasons)
+                await self.check_health(xids)
         finally:
             xids.close()
+
+    async def check_health(self, xids) -> None:
+        """Read each GPU device's health once (node/health.py); a faulty one is marked unhealthy, so
+        placement puts no new model on it. It stays so: faults like these need a GPU reset."""
+        from gpushare.node.health import read_health
+
+        await asyncio.to_thread(xids.poll)
+        for name, uuid in self.gpu_uuids.items():
+            if not uuid:
+                continue
+            health = await asyncio.to_thread(read_health, self.nvml, uuid, xids)
+            status = self.status[name]
+            if not health.healthy and self.clients[name].alive():
+                if status.healthy:
+                    log.error("device %s is unhealthy: %s", name, "; ".join(health.reasons))
+                status.healthy, status.reason = False, "; ".join(health.reasons)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -295,11 +295,8 @@ class Residency:
             job.device = self.place(source, estimate_bytes, {e.device for e in self.copies(source.name)})
             if job.device is None:
                 raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
+            estimate_bytes, parameter_count = await self._size(source, job.device)  # its weight format there
             key = self.warm_key(source, job.device)
-            if key not in self._sizes:
-                estimate_bytes, parameter_count = await self._size(source, job.device)
-            else:
-                estimate_bytes, parameter_count = self._sizes[key]
             evictions = await self._wait_for_room(job, estimate_bytes)
             job.state = "loading"
             await asyncio.gather(*evictions, *self.unloading.values())
