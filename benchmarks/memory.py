@@ -5,7 +5,7 @@
 
 Both servers serve the same GGUF with the same threads, started here on loopback ports, one after
 the other (never together: two servers on 2 cores disturb each other). For each: the resident set
-(RSS) once the model has answered one short chat ("idle"), right after a burst of concurrent
+(RSS, gpushare's daemon and its engine worker together) once the model has answered one short chat ("idle"), right after a burst of concurrent
 streaming chats, and after a rest (gpushare gives the KV slabs of a model idle for 30 s back; the
 rest is 60 s). llama-server runs as the issue measured it (-c 8192 --parallel 4: a 8192-token KV
 cache it holds from the start). For gpushare the script also prints where its memory goes, from
@@ -34,7 +34,10 @@ MiB = 1 << 20
 
 
 def rss_bytes(proc: ServerProcess) -> int:
-    return psutil.Process(proc.proc.pid).memory_info().rss
+    """The server's resident set with its children's: gpushare's engine workers are processes of
+    their own. (Shared pages count once per process: the sum overstates a little.)"""
+    top = psutil.Process(proc.proc.pid)
+    return sum(p.memory_info().rss for p in [top, *top.children(recursive=True)])
 
 
 def get_json(url: str) -> dict:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import llguidance
 import torch
-from llguidance.torch import fill_next_token_bitmask_par
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot loop on whitespace
 _executor: llguidance.LLExecutor | None = None
@@ -97,6 +96,10 @@ def apply_masks(logits: torch.Tensor, matchers: list) -> list[str | None]:
     rows = [i for i, m in enumerate(matchers) if m is not None]
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    # Imported here: llguidance.torch costs ~190 MB of resident memory, which a process that never
+    # runs a constrained step (the daemon's supervisor; most engines) should not pay.
+    from llguidance.torch import fill_next_token_bitmask_par
+
     fill_next_token_bitmask_par(_executor_for_engine(), [(matchers[r], k) for k, r in enumerate(rows)], bitmask)
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
