@@ -22,10 +22,10 @@ from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
 from gpushare.engine.engine import EngineFailed
-from gpushare.engine.request import GenerationRequest, ModelLimits, RequestError, check_request, model_limits
+from gpushare.engine.request import (GenerationRequest, ModelLimits, RequestError, check_request, model_limits,
+                                     tenant_limit_bytes)
 from gpushare.engine.sampling import SamplingParams
 from gpushare.engine.sequence import RequestOutput
-from gpushare.engine.tenants import TenantPolicy
 
 log = logging.getLogger("gpushare.api")
 # A stream's kernel send buffer. Left to autotuning it grows to net.ipv4.tcp_wmem's maximum (4 MiB,
@@ -129,8 +129,7 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
     config = lease.model.config
     limits = model_limits(config.context_length, config.vocab_size, model_stats, stats.max_num_seqs)
-    policy = (engine.tenant_policies if policies is None else policies).get(tenant) or TenantPolicy(tenant)
-    return limits, policy.limit_bytes(limits.bytes_per_token)
+    return limits, tenant_limit_bytes(engine.tenant_policies if policies is None else policies, tenant, limits)
 
 
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
@@ -139,9 +138,9 @@ def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant
     """The one GenerationRequest for this request, its max_tokens fixed by engine/request.check_request
     (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
     the dialect) when it can never run."""
-    limits, tenant_limit_bytes = lease_limits(lease, tenant, policies)
+    limits, tenant_bytes = lease_limits(lease, tenant, policies)
     try:
-        fixed = check_request(prompt_ids, params, limits, num_ctx=num_ctx, tenant_limit_bytes=tenant_limit_bytes,
+        fixed = check_request(prompt_ids, params, limits, num_ctx=num_ctx, tenant_limit_bytes=tenant_bytes,
                               tenant=tenant, priority=priority, clip=clip)
     except RequestError as e:
         raise bad_request(str(e), param=(field_names or {}).get(e.field, e.field)) from None

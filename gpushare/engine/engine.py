@@ -28,13 +28,14 @@ import torch
 from gpushare.engine.engine_config import EngineConfig, ModelWorker
 from gpushare.engine.inbox import Call, Cancel, Embed, Submit, Wake
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, tenant_stats
+from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, has_work, tenant_stats
 from gpushare.engine.embedding import embed_one
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.request import EmbedRequest, GenerationRequest, check_embed, check_request, model_limits
+from gpushare.engine.request import (EmbedRequest, GenerationRequest, check_embed, check_request, model_limits,
+                                     tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
 from gpushare.engine.sampling import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
@@ -169,8 +170,8 @@ class Engine:
         """A checked request for a loaded model (request.check_request against this engine's latest
         snapshot): what the offline API and in-process callers submit. ValueError says what is wrong."""
         params.validate()
-        model, tenant_limit_bytes = self._limits(model_name, tenant)
-        limits = check_request(prompt_ids, params, model, tenant_limit_bytes=tenant_limit_bytes, tenant=tenant,
+        model, tenant_bytes = self._limits(model_name, tenant)
+        limits = check_request(prompt_ids, params, model, tenant_limit_bytes=tenant_bytes, tenant=tenant,
                                priority=priority, clip=clip)
         if params.max_tokens != limits.max_tokens:
             params = replace(params, max_tokens=limits.max_tokens)
@@ -189,8 +190,7 @@ class Engine:
             raise KeyError(f"model {model_name!r} is not loaded")
         config = worker.loaded.config
         limits = model_limits(config.context_length, config.vocab_size, stats, self.config.max_num_seqs)
-        policy = self.tenant_policies.get(tenant) or TenantPolicy(tenant)
-        return limits, policy.limit_bytes(limits.bytes_per_token)
+        return limits, tenant_limit_bytes(self.tenant_policies, tenant, limits)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(Cancel(request_id))
@@ -215,9 +215,7 @@ class Engine:
 
     def has_work(self, model_name: str | None = None) -> bool:
         """Whether the model (or any) had requests running or waiting, as of the latest snapshot."""
-        models = self.snapshot.stats.models
-        chosen = [models[model_name]] if model_name in models else ([] if model_name else list(models.values()))
-        return any(m.running or m.waiting for m in chosen)
+        return has_work(self.snapshot.stats, model_name)
 
     def stats(self) -> EngineStats:
         """Per-model batches and KV use, as of the latest snapshot."""

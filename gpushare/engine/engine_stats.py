@@ -43,6 +43,13 @@ class EngineSnapshot:
     failure: str | None  # why the loop stopped for good, once it has
 
 
+def has_work(stats: EngineStats, model_name: str | None = None) -> bool:
+    """Whether the model (or, with None, any) had requests running or waiting in these stats."""
+    models = stats.models
+    chosen = [models[model_name]] if model_name in models else ([] if model_name else list(models.values()))
+    return any(m.running or m.waiting for m in chosen)
+
+
 def engine_stats(engine) -> EngineStats:
     pool = engine.kv_pool
     out = EngineStats(engine.steps, kv_pool_bytes=pool.capacity_bytes, kv_committed_bytes=pool.committed_bytes,

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from gpushare.engine.sampling import SamplingParams
-from gpushare.engine.tenants import DEFAULT_TENANT, PRIORITIES
+from gpushare.engine.tenants import DEFAULT_TENANT, PRIORITIES, TenantPolicy
 
 
 class RequestError(ValueError):
@@ -67,6 +67,12 @@ def model_limits(context_length: int, vocab_size: int, stats, max_num_seqs: int)
     """From the model's config and its ModelStats in an engine snapshot."""
     return ModelLimits(vocab_size, context_length, stats.blocks_total * stats.block_size, stats.block_size,
                        stats.block_bytes // stats.block_size, max_num_seqs)
+
+
+def tenant_limit_bytes(policies: dict, tenant: str, limits: ModelLimits) -> int | None:
+    """The tenant's kv_limit in bytes of this model's KV (None: no limit); `policies`: name -> TenantPolicy."""
+    policy = policies.get(tenant) or TenantPolicy(tenant)
+    return policy.limit_bytes(limits.bytes_per_token)
 
 
 def usable_context(limits: ModelLimits, num_ctx: int | None = None, tenant_limit_bytes: int | None = None) -> int:

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from gpushare.engine import worker_messages as m
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats
+from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import TenantPolicy
 from gpushare.models.loader import LoadedModel, load_model_head
@@ -159,9 +159,7 @@ class WorkerClient:
         return self.snapshot.tenants
 
     def has_work(self, model_name: str | None = None) -> bool:
-        models = self.snapshot.stats.models
-        chosen = [models[model_name]] if model_name in models else ([] if model_name else list(models.values()))
-        return any(s.running or s.waiting for s in chosen)
+        return has_work(self.snapshot.stats, model_name)
 
     def set_tenants(self, policies: list[TenantPolicy]) -> None:
         self.tenant_policies = {p.name: p for p in policies}
