@@ -24,6 +24,7 @@ from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_ma
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
 from gpushare.limit_settings import LimitSettings, read_limits
 from gpushare.model_options import OptionError, options_from_json
+from gpushare.tensor_parallel_settings import read_tensor_parallel
 from gpushare.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
 
 DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
@@ -35,6 +36,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # as gpushare.engine.kv_pool
+TENSOR_PARALLEL_KEYS = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
 
 
 @dataclass
@@ -64,6 +66,9 @@ class ModelEntry:
     system: str | None = None  # default system prompt
     device: str | None = None  # the one engine.devices entry it runs on; None: the daemon places it
     replicas: int = 1  # copies on as many devices, each serving its share of requests
+    tensor_parallel: int | str = 1  # devices its layers are split over (one group), or "auto"
+    tensor_parallel_devices: list[str] | None = None  # engine.devices entries of the group, in rank order
+    tensor_parallel_cross_numa: bool = False  # accept a group whose devices talk over the inter-socket link
 
 
 @dataclass
@@ -158,7 +163,7 @@ def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[Model
         key = f"models[{i}]"
         d = expect_mapping(item, key)
         reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights", "options",
-                           "system", "device", "replicas"}, key + ".")
+                           "system", "device", "replicas", *TENSOR_PARALLEL_KEYS}, key + ".")
         for required in ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
@@ -195,7 +200,24 @@ def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[Model
                               f"{len(engine.devices)}, got {replicas}")
         entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight),
                                   weights=weights, options=options, system=d.get("system"), device=device,
-                                  replicas=replicas, **flags))
+                                  replicas=replicas, **flags, **read_tensor_parallel(d, key, engine.devices)))
+    return entries
+
+
+def read_tensor_parallel_models(raw: Any, engine: EngineSettings) -> list[ModelEntry]:
+    """models[] with only name, path (as written, not opened) and the tensor-parallel keys read:
+    what `gpushare node plan` needs, on a node that may not hold the model files."""
+    if not isinstance(raw, list):
+        return []
+    entries = []
+    for i, item in enumerate(raw):
+        key = f"models[{i}]"
+        d = expect_mapping(item, key)
+        if not isinstance(d.get("name"), str) or not d["name"].strip():
+            raise ConfigError(f"{key}.name: required, must be a non-empty string, got {d.get('name')!r}")
+        _model_device(d.get("device"), engine, key)
+        entries.append(ModelEntry(name=d["name"].strip(), path=str(d.get("path", "")),
+                                  **read_tensor_parallel(d, key, engine.devices)))
     return entries
 
 

@@ -1,4 +1,5 @@
-"""engine.devices, models[].device and models[].replicas: parsed, and refused with the key named."""
+"""engine.devices, models[].device, models[].replicas and the models[].tensor_parallel keys: parsed, and
+refused with the key named."""
 
 import pytest
 
@@ -79,3 +80,52 @@ def test_replicas_must_be_positive_and_fit_the_devices(tmp_path):
             models=[{"name": "a", "replicas": 2, "device": "cuda:0"}], tmp_path=tmp_path)
     refused("models[0].replicas: at most one per device, and engine.devices names 2, got 3",
             engine={"devices": ["cuda:0", "cuda:1"]}, models=[{"name": "a", "replicas": 3}], tmp_path=tmp_path)
+
+
+def test_tensor_parallel_keys(tmp_path):
+    two = {"devices": ["cuda:0", "cuda:1", "cpu:0", "cpu:1"]}
+    s = settings(two, [{"name": "plain"}, {"name": "tp", "tensor_parallel": 2},
+                       {"name": "auto", "tensor_parallel": "auto", "tensor_parallel_cross_numa": True},
+                       {"name": "named", "tensor_parallel_devices": ["cpu:1", "cpu:0"]}], tmp_path)
+    assert [(m.tensor_parallel, m.tensor_parallel_devices, m.tensor_parallel_cross_numa) for m in s.models] == [
+        (1, None, False), (2, None, False), ("auto", None, True), (2, ["cpu:1", "cpu:0"], False)]
+    auto_devices = settings({}, [{"name": "a", "tensor_parallel": 8}], tmp_path)  # engine.devices auto: planned later
+    assert auto_devices.models[0].tensor_parallel == 8
+
+
+def test_tensor_parallel_refusals_name_the_key(tmp_path):
+    two = {"devices": ["cuda:0", "cuda:1"]}
+    for value in (0, True, "two", 1.5):
+        refused(f"models[0].tensor_parallel: must be a positive integer or auto, got {value!r}",
+                models=[{"name": "a", "tensor_parallel": value}], tmp_path=tmp_path)
+    refused("models[0].tensor_parallel: 4 needs 4 devices, and engine.devices names 2",
+            engine=two, models=[{"name": "a", "tensor_parallel": 4}], tmp_path=tmp_path)
+    for other, value in (("device", "cuda:0"), ("replicas", 2)):
+        refused(f"models[0].{other}: a tensor-parallel model (tensor_parallel 2) is one group; use "
+                "tensor_parallel_devices to name its devices",
+                engine=two, models=[{"name": "a", "tensor_parallel": 2, other: value}], tmp_path=tmp_path)
+    refused("models[0].device: a tensor-parallel model (tensor_parallel auto) is one group; use "
+            "tensor_parallel_devices to name its devices",
+            engine=two, models=[{"name": "a", "tensor_parallel": "auto", "device": "cuda:1"}], tmp_path=tmp_path)
+    refused("models[0].tensor_parallel_cross_numa: must be true or false, got 'yes'",
+            models=[{"name": "a", "tensor_parallel": 2, "tensor_parallel_cross_numa": "yes"}], tmp_path=tmp_path)
+
+
+def test_tensor_parallel_devices_refusals(tmp_path):
+    key = "models[0].tensor_parallel_devices"
+    cases = [
+        (["cuda:0"], f"{key}: must be a list of two or more engine.devices entries (one device is models[].device), "
+                     "got ['cuda:0']"),
+        ("cuda:0", f"{key}: must be a list of two or more engine.devices entries (one device is models[].device), "
+                   "got 'cuda:0'"),
+        (["cuda:0", "cuda:2"], f"{key}[1]: 'cuda:2' is not one of engine.devices (cuda:0, cuda:1, cpu)"),
+        (["cuda:0", "cuda:0"], f"{key}[1]: 'cuda:0' is listed twice"),
+        (["cuda:0", "gpu0"], f"{key}[1]: 'gpu0' is not a device; {ACCEPTED}"),
+        (["cuda:0", "cpu"], f"{key}: a CPU and a GPU never form one group; name devices of one kind"),
+    ]
+    for devices, message in cases:
+        refused(message, engine={"devices": ["cuda:0", "cuda:1", "cpu"]},
+                models=[{"name": "a", "tensor_parallel_devices": devices}], tmp_path=tmp_path)
+    refused(f"{key}: names 2 devices, and tensor_parallel is 3",
+            models=[{"name": "a", "tensor_parallel": 3, "tensor_parallel_devices": ["cuda:0", "cuda:1"]}],
+            tmp_path=tmp_path)
