@@ -269,3 +269,40 @@ def test_plan_reads_engine_devices_from_the_config(tmp_path, capsys):
     args = parser().parse_args(["node", "plan", "--config", str(config)])
     assert args.func(args) == 2
     assert "engine.devices[1]: 'gpu1' is not a device; expected 'cuda:N'" in capsys.readouterr().err
+
+
+def test_plan_shows_the_tensor_parallel_groups_and_refusals():
+    from gpushare.config import ModelEntry
+
+    ctx = xeon_context()
+    ctx.runner.script["nvidia-smi topo -m"] = [recorded("4gpu-mixed-pcie_nvidia-smi-topo-m.txt")]
+    ctx.models = [ModelEntry("small", "", tensor_parallel=2), ModelEntry("plain", ""),
+                  ModelEntry("big", "", tensor_parallel=4)]
+    code, out = run(commands.plan, ctx)
+    assert code == 1
+    section = out.split("# Tensor-parallel groups (models[].tensor_parallel): devices in rank order\n")[1]
+    assert section.split("\n\n# MIG")[0].splitlines() == [
+        "  small: cuda:0, cuda:1 (worst link PIX)",
+        "    cuda:0, cuda:1: the best-linked 2 GPUs of this node, every pair joined by at least one PCIe switch (PIX); "
+        "none is in another tensor-parallel group.",
+        "error: models[2] big: the best-linked 4 GPUs (cuda:0, cuda:1, cuda:2, cuda:3) are joined only by the "
+        "inter-socket link (SYS): all-reduces over the inter-socket link run several times slower than over NVLink "
+        "or a PCIe switch, after every split layer; set models[2].tensor_parallel_cross_numa: true to accept"]
+    assert "nvidia-smi topo -m" in ctx.runner.calls
+    code, out = run(commands.plan, ctx, as_json=True)
+    data = json.loads(out)
+    assert code == 1
+    assert data["tp_groups"] == [{"model": "small", "workers": ["cuda:0", "cuda:1"], "link": "PIX",
+                                  "why": section.splitlines()[1].strip()}]
+    assert data["errors"][0].startswith("models[2] big: the best-linked 4 GPUs")
+
+
+def test_plan_from_a_config_whose_model_files_are_elsewhere(tmp_path, capsys):
+    """The CPU case: two CPU workers on one NUMA node; the model path need not exist here."""
+    config = tmp_path / "gpushare.yaml"
+    config.write_text("engine:\n  devices: [cpu:0, cpu:1]\n"
+                      "models:\n  - name: m\n    path: /nowhere/m.gguf\n    tensor_parallel: 2\n")
+    args = parser().parse_args(["node", "plan", "--config", str(config), "--sysfs-root", str(sysfs_root("vm-p100"))])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "  m: cpu:0, cpu:1 (worst link NUMA-local)\n" in out

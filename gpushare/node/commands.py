@@ -25,9 +25,11 @@ from gpushare.node import mps as mps_daemons
 from gpushare.node.affinity import PinningPlan, plan_pinning
 from gpushare.node.devices import WorkerPlanSet, plan_workers
 from gpushare.node.gpu import NvmlReport, engine_targets, read_gpus
+from gpushare.node.gpu_links import GpuLinks, read_gpu_links
 from gpushare.node.runner import NodeError, SubprocessRunner
 from gpushare.node.settings import NodeSettings, parse_node_settings
 from gpushare.node.topology import Topology, format_cpulist, read_topology
+from gpushare.node.tp_groups import TPGroupPlan, plan_tp_groups
 
 
 @dataclass
@@ -40,6 +42,7 @@ class NodeContext:
     allowed_cpus: list[int] | None = None  # None: this process's affinity when reading the live /sys
     devices: list[str] | None = None  # engine.devices; None: auto
     device: str = "auto"  # engine.device
+    models: list = field(default_factory=list)  # config ModelEntry, tensor-parallel keys only (read_tensor_parallel_models)
     sleep: Callable[[float], None] = time.sleep
 
     def running_as_root(self) -> bool:
@@ -71,17 +74,19 @@ def add_node_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _handle(args) -> int:
-    from gpushare.config import read_engine
+    from gpushare.config import read_engine, read_tensor_parallel_models
 
     try:
         raw = yaml.safe_load(Path(args.config).read_text()) if args.config else None
         raw = raw if isinstance(raw, dict) else {}
         settings = parse_node_settings(raw.get("node"))
         engine = read_engine(raw.get("engine"))
+        models = read_tensor_parallel_models(raw.get("models"), engine)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"gpushare node: config {args.config}: {exc}", file=sys.stderr)
         return 2
-    ctx = NodeContext(sysfs_root=args.sysfs_root, settings=settings, devices=engine.devices, device=engine.device)
+    ctx = NodeContext(sysfs_root=args.sysfs_root, settings=settings, devices=engine.devices, device=engine.device,
+                      models=models)
     if args.node_command == "mps":
         return mps(ctx, args.action, sys.stdout, gpu=args.gpu, as_json=args.json)
     return {"topo": topo, "plan": plan, "apply": apply}[args.node_command](ctx, sys.stdout, as_json=args.json)
@@ -137,12 +142,17 @@ def plan(ctx: NodeContext, out, as_json: bool = False) -> int:
         notes["mig"].append("node.mig is empty: MIG layouts are left as they are")
     if not ctx.settings.mps.enabled and not report.cpu_mode:
         notes["mps"].append("node.mps.enabled is false: MPS is left as it is")
+    groups, tp_notes, refusals = _tp_groups(ctx, workers, report)
     if as_json:
         json.dump({"workers": asdict(workers), "mig": {"commands": sections["mig"], "notes": notes["mig"]},
-                   "mps": {"commands": sections["mps"], "notes": notes["mps"]}, "errors": errors}, out, indent=2)
+                   "mps": {"commands": sections["mps"], "notes": notes["mps"]},
+                   "tp_groups": [{"model": g.model, "workers": [w.name for w in g.workers], "link": g.link,
+                                  "why": g.why} for g in groups], "errors": errors + refusals}, out, indent=2)
         print(file=out)
-        return 1 if errors else 0
+        return 1 if errors or refusals else 0
     _print_workers(workers, out)
+    if groups or refusals:
+        _print_tp_groups(groups, tp_notes, refusals, out)
     for key, title in (("mig", "# MIG (node.mig)"), ("mps", "# MPS (node.mps)")):
         print(f"\n{title}", file=out)
         for line in notes[key]:
@@ -151,7 +161,7 @@ def plan(ctx: NodeContext, out, as_json: bool = False) -> int:
             print(line, file=out)
     for error in errors:
         print(f"error: {error}", file=out)
-    return 1 if errors else 0
+    return 1 if errors or refusals else 0
 
 
 def apply(ctx: NodeContext, out, as_json: bool = False) -> int:
@@ -253,6 +263,32 @@ def _survey(ctx: NodeContext) -> tuple[Topology, NvmlReport, PinningPlan]:
     report = read_gpus(ctx.nvml)
     pinning = plan_pinning(topology, ctx.settings, engines=engine_targets(report), allowed_cpus=ctx.affinity())
     return topology, report, pinning
+
+
+def _tp_groups(ctx: NodeContext, workers: WorkerPlanSet, report: NvmlReport):
+    """-> (groups, notes, refusals) for the models with tensor_parallel != 1; nvidia-smi topo -m
+    runs only when one of them may take GPUs."""
+    tp_models = [m for m in ctx.models if m.tensor_parallel != 1 or m.tensor_parallel_devices]
+    links, notes, refusals = GpuLinks(), [], []
+    if tp_models and not report.cpu_mode and any(w.torch_device == "cuda" for w in workers.workers):
+        try:
+            links = read_gpu_links(ctx.runner)
+        except NodeError as exc:
+            notes.append(f"GPU links unknown, taken as SYS: {exc}")
+    groups = plan_tp_groups(ctx.models, workers, links, refusals=refusals) if tp_models else []
+    return groups, notes, refusals
+
+
+def _print_tp_groups(groups: list[TPGroupPlan], notes: list[str], refusals: list[str], out) -> None:
+    print("\n# Tensor-parallel groups (models[].tensor_parallel): devices in rank order", file=out)
+    for note in notes:
+        print(f"# {note}", file=out)
+    for group in groups:
+        link = "one device" if len(group.workers) == 1 else f"worst link {group.link}"
+        print(f"  {group.model}: {', '.join(w.name for w in group.workers)} ({link})", file=out)
+        print(f"    {group.why}", file=out)
+    for refusal in refusals:
+        print(f"error: {refusal}", file=out)
 
 
 def _mps_state(ctx: NodeContext, report: NvmlReport):
