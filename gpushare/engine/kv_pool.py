@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -72,6 +73,8 @@ class DeviceKVPool:
     owners: list = field(default_factory=list)  # slab -> the BlockPool holding it, or None
     free_slabs: list[int] = field(default_factory=list)
     members: list = field(default_factory=list)  # registered BlockPools
+    # Called with each byte range given back (tensor parallel: the other ranks decommit theirs too).
+    on_decommit: Callable[[int, int], None] | None = None
 
     def __post_init__(self):
         if self.capacity_bytes <= 0:
@@ -113,20 +116,24 @@ class DeviceKVPool:
         end = start + self.slab_size(slab)
         return range(-(-start // block_bytes), end // block_bytes)
 
-    def layer_views(self, config: ModelConfig, block_size: int, dtype: torch.dtype) -> list:
+    def layer_views(self, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                    block_stride_bytes: int | None = None) -> list:
         """Per layer a (K, V) pair of ``[num_blocks, block_size, num_kv_heads, head_dim]`` views into the
-        buffer, blocks ``block_bytes`` apart (every layer of a block is stored together)."""
+        buffer, blocks ``block_bytes`` apart (every layer of a block is stored together).
+        ``block_stride_bytes`` (tensor parallel: the first rank's block size, which is the largest)
+        places them further apart, so that a block id is at the same place on every rank."""
         block_bytes = kv_bytes_per_block(config, block_size, dtype)
-        num_blocks = self.capacity_bytes // block_bytes
+        stride = block_stride_bytes or block_bytes
+        num_blocks = self.capacity_bytes // stride
+        rows = self.buffer[:num_blocks * stride].view(num_blocks, stride)[:, :block_bytes]
         shape = (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
         if dtype == torch.int8:  # per block: every layer's int8 values, then their float32 scales
-            rows = self.buffer[:num_blocks * block_bytes].view(num_blocks, block_bytes)
             data_bytes = block_bytes // (config.head_dim + INT8_SCALE_BYTES) * config.head_dim
             data = rows[:, :data_bytes].view(torch.int8).view(shape)
             scales = rows[:, data_bytes:].view(torch.float32).view(shape[:-1])
             return [(Int8KV(data[:, i, 0], scales[:, i, 0]), Int8KV(data[:, i, 1], scales[:, i, 1]))
                     for i in range(config.num_layers)]
-        blocks = self.buffer[:num_blocks * block_bytes].view(dtype).view(shape)
+        blocks = rows.view(dtype).view(shape)
         return [(blocks[:, i, 0], blocks[:, i, 1]) for i in range(config.num_layers)]
 
     def free_blocks_for(self, block_bytes: int) -> int:
@@ -148,14 +155,26 @@ class DeviceKVPool:
     def give_back(self, slab: int) -> None:
         self.owners[slab] = None
         self.free_slabs.append(slab)
-        if self._mapping is not None:
-            self._decommit(slab)
-
-    def _decommit(self, slab: int) -> None:
-        """Return the slab's whole pages to the kernel: the next write finds zeroed, uncommitted pages."""
         start = slab * self.slab_bytes
-        end = start + self.slab_size(slab)
+        self.decommit(start, start + self.slab_size(slab))
+        if self.on_decommit is not None:
+            self.on_decommit(start, start + self.slab_size(slab))
+
+    def decommit(self, start: int, end: int) -> None:
+        """Return the whole pages of bytes [start, end) to the kernel (CPU only): the next write finds
+        zeroed, uncommitted pages."""
+        if self._mapping is None:
+            return
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         last = end // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
             self._mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def copy_block(kv_caches: list, source: int, destination: int) -> None:
+    """Copy one KV block in every layer of a model's ``layer_views`` (a fork's own copy of a shared
+    partial block)."""
+    for layer in kv_caches:
+        for cache in layer:
+            for tensor in (cache.data, cache.scale) if isinstance(cache, Int8KV) else (cache,):
+                tensor[destination].copy_(tensor[source])

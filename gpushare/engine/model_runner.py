@@ -9,9 +9,9 @@ import torch
 from gpushare.engine import constraints
 from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
+from gpushare.engine.kv_pool import copy_block
 from gpushare.engine.sampling import SamplingFailure, prompt_logprobs, sample_batch
 from gpushare.engine.scheduler import Batch
-from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.loader import LoadedModel
 
@@ -114,11 +114,11 @@ class ModelRunner:
         return list(zip(seqs, tokens))
 
     def copy_block(self, source: int, destination: int) -> None:
-        """Copy one KV block in every layer (a fork's own copy of a shared partial block)."""
-        for layer in self.kv_caches:
-            for cache in layer:
-                for tensor in (cache.data, cache.scale) if isinstance(cache, Int8KV) else (cache,):
-                    tensor[destination].copy_(tensor[source])
+        """Copy one KV block in every layer (on every rank of a tensor-parallel model)."""
+        mirror = getattr(self.loaded.model, "mirror_copy_block", None)
+        if mirror is not None:
+            mirror(source, destination)
+        copy_block(self.kv_caches, source, destination)
 
     def _record_prompt_logprobs(self, seq, hidden, first_row: int, chunk: int) -> None:
         """Extend ``seq.prompt_logprobs`` from this chunk's rows (``hidden[first_row:first_row + chunk]``):

@@ -10,6 +10,11 @@ holds up requests; one sender thread writes everything going back, coalescing wh
 (outputs of several turns into one message, only the newest snapshot). The engine thread calls
 ``on_output``/``on_snapshot``, which only queue. The process ends when the supervisor says Stop
 or its socket closes (the supervisor is gone): a worker never outlives its daemon.
+
+A rank of a tensor-parallel group (WorkerSpec.group) first joins its group. The first rank then
+runs as above, its models split and broadcasting each forward pass; the other ranks run
+FollowerHost: the supervisor's loads and unloads, and the group's ops on a thread of their own.
+A follower ends when its group breaks up, so a rank that dies takes its group down.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
+import torch
+
 from gpushare.engine import worker_messages as m
 from gpushare.engine.engine import Engine
+from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
+from gpushare.engine.tensor_parallel import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
+                                             use_all_reduce)
 from gpushare.engine.test_hooks import install_test_stall
 from gpushare.engine.sequence import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
+from gpushare.models.tensor_parallel import rank_config, split_model
 
 log = logging.getLogger("gpushare.worker")
 
@@ -118,8 +129,8 @@ class WorkerHost:
         elif isinstance(message, m.Embed):
             self._embed(message)
         elif isinstance(message, (m.LoadModel, m.UnloadModel)):
-            self._loader.submit(self._reply, message.call_id, self._load if isinstance(message, m.LoadModel)
-                                else self._unload, message)
+            self._loader.submit(_reply, self.outbox, message.call_id,
+                                self._load if isinstance(message, m.LoadModel) else self._unload, message)
         elif isinstance(message, m.DropWarm):
             self._loader.submit(self.warm.pop, message.warm_key, None)
         elif isinstance(message, m.SetTenants):
@@ -152,42 +163,141 @@ class WorkerHost:
         future.add_done_callback(lambda f: self.outbox.put(
             m.Reply(message.call_id, error=f.exception()) if f.exception() else m.Reply(message.call_id, f.result())))
 
-    def _reply(self, call_id: int, fn, message) -> None:
-        try:
-            self.outbox.put(m.Reply(call_id, fn(message)))
-        except Exception as e:
-            log.exception("%s failed", type(message).__name__)
-            self.outbox.put(m.Reply(call_id, error=e))
-
     def _load(self, message: m.LoadModel) -> m.Loaded:
-        device = self.engine.config.device
-        warm = self.warm.pop(message.warm_key, None) if message.warm_key is not None else None
-        if warm is not None:
-            model = to_device(warm, device)
-        else:
-            def progress(done_bytes: int, total_bytes: int) -> None:
-                self.outbox.put(m.Progress(message.call_id, done_bytes, total_bytes))
+        def progress(done_bytes: int, total_bytes: int) -> None:
+            self.outbox.put(m.Progress(message.call_id, done_bytes, total_bytes))
 
-            model = load_model(message.path, dtype=message.dtype, device=device, progress=progress,
-                               weights=message.weights)
+        model, warm = _take_or_load(self.spec, self.warm, message, progress)
+        if self.spec.group is not None and not warm:
+            model.model = LeaderModel(message.name, model.model)
         self.engine.add_model(message.name, model, share_weight=message.share_weight)
         self.loaded[message.name] = model
-        return m.Loaded(model.weights, model.weight_bytes, warm is not None)
+        return m.Loaded(model.weights, model.weight_bytes, warm)
 
     def _unload(self, message: m.UnloadModel) -> None:
         self.engine.remove_model(message.name)
-        model = self.loaded.pop(message.name)
-        if message.warm_key is not None:
-            self.warm[message.warm_key] = to_host(model)
-        del model
-        return_freed_memory()
+        _retire(self.loaded, self.warm, message)
+
+
+def _take_or_load(spec: m.WorkerSpec, warm: dict, message: m.LoadModel, progress=None) -> tuple:
+    """(the model, whether it came from the warm tier); a rank of a group builds its part."""
+    kept = warm.pop(message.warm_key, None) if message.warm_key is not None else None
+    if kept is not None:
+        return to_device(kept, spec.config.device), True
+    model = load_model(message.path, dtype=message.dtype, device=spec.config.device, progress=progress,
+                       weights=message.weights, tensor_parallel=_rank_of(spec))
+    if spec.group is not None:
+        use_all_reduce(model.model)
+    return model, False
+
+
+def _retire(loaded: dict, warm: dict, message: m.UnloadModel) -> None:
+    """Drop an unloaded model, or keep it warm in host memory when the supervisor says so."""
+    model = loaded.pop(message.name)
+    if message.warm_key is not None:
+        warm[message.warm_key] = to_host(model)
+    del model
+    return_freed_memory()
+
+
+def _rank_of(spec: m.WorkerSpec) -> tuple[int, int] | None:
+    return None if spec.group is None else (spec.group.rank, spec.group.world_size)
+
+
+class FollowerHost:
+    """A tensor-parallel rank after the first: loads and unloads its part of each model when the
+    supervisor says, and runs what the first rank broadcasts (engine/tensor_parallel.py)."""
+
+    def __init__(self, spec: m.WorkerSpec, outbox: Outbox):
+        self.spec = spec
+        self.outbox = outbox
+        config = spec.config
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, config.device)
+        self.follower = Follower(DeviceKVPool(config.kv_cache_bytes, config.device, config.kv_slab_blocks))
+        self.warm: dict[tuple, object] = {}
+        self.loaded: dict = {}
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="gpushare-worker-load")
+
+    def run_ops(self) -> None:
+        """Thread "gpushare-rank": pinned as an engine thread, it runs the group's ops until the group ends."""
+        if self.spec.config.cpus:
+            os.sched_setaffinity(0, self.spec.config.cpus)
+        if self.spec.config.num_threads:
+            torch.set_num_threads(self.spec.config.num_threads)
+        try:
+            self.follower.run()
+        except Exception as e:  # the first rank is gone: the group restarts as one
+            log.error("the tensor-parallel group broke up: %s", e)
+        self.outbox.put(EXIT_FAILED)
+
+    def handle(self, message) -> bool:
+        if isinstance(message, (m.LoadModel, m.UnloadModel)):
+            self._loader.submit(_reply, self.outbox, message.call_id,
+                                self._load if isinstance(message, m.LoadModel) else self._unload, message)
+        elif isinstance(message, m.DropWarm):
+            self._loader.submit(self.warm.pop, message.warm_key, None)
+        elif isinstance(message, m.Stop):
+            return False
+        return True  # requests and settings go to the first rank only
+
+    def _load(self, message: m.LoadModel) -> m.Loaded:
+        config = self.spec.config
+        model, warm = _take_or_load(self.spec, self.warm, message)
+        whole = model.whole_config
+        first = rank_config(whole, split_model(whole, self.spec.group.world_size)[0])
+        stride = kv_bytes_per_block(first, config.block_size, self.kv_dtype)
+        views = self.follower.kv_pool.layer_views(model.config, config.block_size, self.kv_dtype, stride)
+        self.follower.add(message.name, FollowerModel(model.model, views))
+        self.loaded[message.name] = model
+        return m.Loaded(model.weights, model.weight_bytes, warm)
+
+    def _unload(self, message: m.UnloadModel) -> None:
+        self.follower.remove(message.name)
+        _retire(self.loaded, self.warm, message)
+
+
+def _reply(outbox: Outbox, call_id: int, fn, message) -> None:
+    try:
+        outbox.put(m.Reply(call_id, fn(message)))
+    except Exception as e:
+        log.exception("%s failed", type(message).__name__)
+        outbox.put(m.Reply(call_id, error=e))
+
+
+def serve_follower(spec: m.WorkerSpec, conn: Connection) -> None:
+    outbox = Outbox(conn)
+    host = FollowerHost(spec, outbox)
+    threading.Thread(target=host.run_ops, name="gpushare-rank", daemon=True).start()
+    outbox.put(m.Ready(os.getpid()))
+    try:
+        _receive(conn, host)
+    finally:
+        outbox.close()
+
+
+def _receive(conn: Connection, host) -> None:
+    """Hand the supervisor's messages to ``host`` until it says Stop or its socket closes."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the supervisor is gone
+            return
+        if not host.handle(message):
+            return
 
 
 def serve(conn: Connection) -> None:
     spec: m.WorkerSpec = conn.recv()
     logging.basicConfig(level=logging.INFO, format=f"gpushare worker {spec.name}: %(levelname)s %(message)s",
                         stream=sys.stderr)
+    if spec.group is not None:
+        join_group(spec.group, spec.config.device)
+        if spec.group.rank > 0:
+            serve_follower(spec, conn)
+            return
     engine = Engine(spec.config)
+    if spec.group is not None:
+        engine.kv_pool.on_decommit = broadcast_decommit
     install_test_stall(engine)
     outbox = Outbox(conn)
     host = WorkerHost(engine, outbox, spec)
@@ -197,13 +307,7 @@ def serve(conn: Connection) -> None:
              ",".join(map(str, spec.config.cpus or [])), spec.config.num_threads or 0)
     outbox.put(m.Ready(os.getpid()))
     try:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the supervisor is gone
-                break
-            if not host.handle(message):
-                break
+        _receive(conn, host)
     finally:
         engine.shutdown()
         outbox.close()

@@ -16,12 +16,14 @@ from gpushare.engine.engine_stats import EngineSnapshot
 from gpushare.engine.request import EmbedRequest, GenerationRequest
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import TenantPolicy
+from gpushare.engine.tensor_parallel import GroupSpec
 
 
 @dataclass
 class WorkerSpec:
     name: str  # the device, as engine.devices names it ("cpu:0", "cuda:1", "MIG-...")
     config: EngineConfig  # its cpus and num_threads pin the engine thread and torch's pool
+    group: GroupSpec | None = None  # a rank of a tensor-parallel group (engine/tensor_parallel.py)
 
 
 @dataclass

@@ -182,14 +182,19 @@ class DecoderLayer(nn.Module):
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.local_rope = bool(config.rope_theta_local and self.self_attn.window)
+        self.reduce = None  # tensor parallel: sums the ranks' partial block outputs (models/tensor_parallel.py)
 
     def forward(self, x, state: "ForwardState", kv_cache):
         cos, sin = (state.cos_local, state.sin_local) if self.local_rope else (state.cos, state.sin)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, state.batch)
+        if self.reduce is not None:
+            h = self.reduce(h)
         if self.sandwich_norm:
             h = self.attn_output_norm(h)
         x = x + h
         h = self.mlp(self.post_attention_layernorm(x))
+        if self.reduce is not None:
+            h = self.reduce(h)
         if self.sandwich_norm:
             h = self.mlp_output_norm(h)
         return x + h

@@ -14,6 +14,7 @@ from gpushare.models.hf_names import hf_tensor, text_model_name
 from gpushare.models.gguf_file import open_gguf, read_tensors
 from gpushare.models.llama import LlamaModel, build_model, weight_bytes
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+from gpushare.models.tensor_parallel import rank_config, shard_state, split_model
 from gpushare.models.weight_format import DENSE_FORMATS, quantize, resolve_weights, target_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,6 +37,7 @@ class LoadedModel:
     weights: str = "float32"  # the weight format it was built in (gpushare.models.weight_format)
     _template: object = None
     grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
+    whole_config: ModelConfig | None = None  # tensor parallel: the whole model's (``config`` is this rank's)
 
     @property
     def weight_bytes(self) -> int:
@@ -185,21 +187,31 @@ def _generation_config(path: str) -> dict:
     return json.load(open(file)) if os.path.isfile(file) else {}
 
 
-def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, weights: str = "auto") -> LoadedModel:
+def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, weights: str = "auto",
+               tensor_parallel: tuple[int, int] | None = None) -> LoadedModel:
     """Load a model for serving; raises FileNotFoundError / ValueError naming the problem.
 
     ``dtype``: activations and KV cache; ``weights``: the weight format (weight_format.WEIGHT_FORMATS).
     ``progress(done_bytes, total_bytes)`` reports reading and converting (the slow part).
+    ``tensor_parallel``: (rank, world size): build only that rank's part (models/tensor_parallel.py);
+    its ``config`` then has the rank's heads and MLP channels. The whole file is read first.
     """
     torch_dtype = resolve_dtype(dtype)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
     config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
+    whole_config = config
+    if tensor_parallel is not None:
+        rank, world_size = tensor_parallel
+        part = split_model(config, world_size, path)[rank]
+        state = shard_state(state, config, part)
+        config = rank_config(config, part)
     model = build_model(config, state, torch_dtype, device, DENSE_FORMATS.get(info["weights"]))
     del state
     return_freed_memory()
-    return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"])
+    return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
+                       whole_config=whole_config if tensor_parallel is not None else None)
 
 
 def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu") -> LoadedModel:

@@ -23,6 +23,7 @@ class LocalDevice:
     """An Engine in this process, plus loading model files into it (on the caller's thread)."""
 
     pid = None
+    world_size = 1
 
     def __init__(self, engine, name: str | None = None, loader=default_loader):
         self.engine = engine

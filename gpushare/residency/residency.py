@@ -87,8 +87,9 @@ class LoadedEntry:
 
     @property
     def size_bytes(self) -> int:
-        """What it holds of memory.budget: its weights (its KV lives in the engine's shared pool)."""
-        return self.weight_bytes
+        """What it holds of memory.budget: its weights (its KV lives in the engine's shared pool); of a
+        tensor-parallel model, what one rank holds (the budget is per device)."""
+        return -(-self.weight_bytes // self.engine.world_size)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Residency:
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
         self._release = release  # (LoadedEntry) -> None, to give a lease back
         self._find_device = find_device or (lambda text: text)  # models[].device as written -> device name
+        self.model_groups: dict[str, str] = {}  # tensor-parallel model -> its group's device (group_client.py)
         self.loaded: dict[str, LoadedEntry] = {}  # each model's first copy, by name
         self.replicas: dict[str, list[LoadedEntry]] = {}  # its further copies, on other devices
         self.jobs: dict[str, LoadJob] = {}
@@ -175,11 +177,20 @@ class Residency:
     def is_warm(self, source: ModelSource) -> bool:
         return any(self.warm_key(source, d) in self.warm for d in self.devices)
 
-    def used_bytes(self, device: str) -> int:
-        """memory.budget in use on `device`: its engine's KV pool, its loaded models, the loads that found room."""
+    def _own_bytes(self, device: str) -> int:
         return (self.devices[device].kv_pool_bytes
                 + sum(e.size_bytes for e in self.entries() if e.device == device)
                 + sum(j.reserved_bytes for j in self.jobs.values() if j.device == device))
+
+    def used_bytes(self, device: str) -> int:
+        """memory.budget in use on `device`: its engine's KV pool, its loaded models, the loads that found room.
+        A tensor-parallel group's ranks share their devices with those devices' own workers: each
+        counts the other (a group, per rank, against its fullest device)."""
+        handle = self.devices[device]
+        if handle.world_size > 1:
+            return self._own_bytes(device) + max(self._own_bytes(m) for m in handle.members)
+        return self._own_bytes(device) + sum(self._own_bytes(g) for g, other in self.devices.items()
+                                             if other.world_size > 1 and device in other.members)
 
     def residents(self, device: str) -> list[Resident]:
         return [Resident(e.key, e.size_bytes, e.last_used,
@@ -197,9 +208,11 @@ class Residency:
     def place(self, source: ModelSource, need_bytes: int, exclude: set[str] = frozenset()) -> str | None:
         """The device `source` loads on (see the module docstring), never one of `exclude`; None when
         only those are left."""
+        if source.name in self.model_groups:
+            return self.model_groups[source.name]
         if source.device is not None:
             return self._find_device(source.device)
-        candidates = [d for d in self.devices if d not in exclude]
+        candidates = [d for d in self.devices if d not in exclude and self.devices[d].world_size == 1]
         healthy = [d for d in candidates if self.is_healthy(d)] or candidates
         if not healthy:
             return None
@@ -313,7 +326,8 @@ class Residency:
             self.notify_room()
 
     async def _size(self, source: ModelSource, device: str) -> tuple[int, int]:
-        """(estimated weight bytes, parameter count) of `source` on `device`, from its tensor table."""
+        """(estimated weight bytes, per rank of a tensor-parallel group, and parameter count) of `source` on
+        `device`, from its tensor table."""
         key = self.warm_key(source, device)
         if key not in self._sizes:
             try:
@@ -321,7 +335,8 @@ class Residency:
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
             weights = resolve_weights(self.weights_of(source), self.kind(device), set(count.source_types))
-            self._sizes[key] = (estimate_weight_bytes(count, weights), count.parameters)
+            per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
+            self._sizes[key] = (per_rank_bytes, count.parameters)
         return self._sizes[key]
 
     async def _wait_for_room(self, job: LoadJob, need_bytes: int) -> list[asyncio.Task]:
@@ -385,9 +400,10 @@ class Residency:
             log.warning("loading %s failed: %s", source.name, e)
             raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
         load_s = time.monotonic() - t0
-        self._sizes[key] = (weight_bytes, parameter_count)
-        job.reserved_bytes = weight_bytes
-        if weight_bytes > estimate_bytes:  # the estimate was low: unload more idle models, or give it all back
+        rank_bytes = -(-weight_bytes // device.world_size)
+        self._sizes[key] = (rank_bytes, parameter_count)
+        job.reserved_bytes = rank_bytes
+        if rank_bytes > estimate_bytes:  # the estimate was low: unload more idle models, or give it all back
             victims = plan_evictions(self.residents(device.name), 0, self.used_bytes(device.name), self.budget_bytes,
                                      1, 0)
             if victims is None:

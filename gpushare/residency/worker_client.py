@@ -44,6 +44,8 @@ class WorkerDied(RuntimeError):
 
 
 class WorkerClient:
+    world_size = 1  # engine workers behind this device (a tensor-parallel group has more: group_client.py)
+
     def __init__(self, spec: m.WorkerSpec, env: dict[str, str], kv_pool_bytes: int,
                  on_exit: Callable[["WorkerClient", str], None] | None = None):
         self.name = spec.name
@@ -174,12 +176,16 @@ class WorkerClient:
         """Build the model in the worker (from its warm tier when ``warm`` says it is there); returns
         the model's text side for this process, its weight bytes and whether it came warm. Blocking."""
         head = warm or load_model_head(path, weights, dtype, self.spec.config.device)
-        loaded: m.Loaded = self._call(lambda call_id: m.LoadModel(call_id, name, path, dtype, weights, share_weight,
-                                                                  warm_key if warm else None),
-                                      progress).result()
+        loaded = self.build(name, path, dtype, weights, share_weight, progress, warm_key if warm else None)
         head.weights = loaded.weights
         head.metadata["weights"] = loaded.weights
         return head, loaded.weight_bytes, loaded.warm
+
+    def build(self, name: str, path: str, dtype: str, weights: str, share_weight: float, progress,
+              warm_key: tuple | None) -> m.Loaded:
+        """Build the model in the worker, from its warm tier under ``warm_key`` when given. Blocking."""
+        return self._call(lambda call_id: m.LoadModel(call_id, name, path, dtype, weights, share_weight, warm_key),
+                          progress).result()
 
     def unload(self, name: str, model: LoadedModel, warm_key: tuple | None) -> LoadedModel | None:
         """Remove the model from the worker's engine, keeping it warm there under ``warm_key``; returns

@@ -1,0 +1,121 @@
+"""Tensor parallelism: how a model splits over N ranks, and SmolLM2 over two CPU worker processes
+(torch.distributed gloo) answering as one device does."""
+
+import threading
+
+import pytest
+
+from gpushare import SamplingParams
+from gpushare.engine.engine_config import EngineConfig
+from gpushare.engine.request import GenerationRequest
+from gpushare.engine.tensor_parallel import GroupSpec
+from gpushare.engine.worker_messages import WorkerSpec
+from gpushare.models.config import ModelConfig
+from gpushare.models.loader import read_model_info
+from gpushare.models.tensor_parallel import split_model
+from gpushare.residency.group_client import GroupClient
+from gpushare.residency.worker_client import WorkerClient
+from tests.test_oracle import PROMPTS
+
+TP_PROMPTS = PROMPTS + ["What is the boiling point of water at sea level?", "Name three planets of the solar system."]
+NEW_TOKENS = 24
+KV_BYTES = 64 << 20
+
+
+def _config(heads: int, kv_heads: int, intermediate: int = 1536) -> ModelConfig:
+    return ModelConfig(arch="llama", vocab_size=100, hidden_size=heads * 64, intermediate_size=intermediate,
+                       num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=64, context_length=256)
+
+
+def test_smollm2_splits_in_whole_kv_groups(smollm2_path):
+    config, _, _ = read_model_info(smollm2_path)
+    assert (config.num_heads, config.num_kv_heads, config.intermediate_size) == (9, 3, 1536)
+    two = split_model(config, 2)
+    assert [(p.kv_heads, p.q_heads, p.mlp) for p in two] == [((0, 2), (0, 6), (0, 768)), ((2, 3), (6, 9), (768, 1536))]
+    three = split_model(config, 3)
+    assert [p.kv_heads for p in three] == [(0, 1), (1, 2), (2, 3)]
+    assert [p.q_heads for p in three] == [(0, 3), (3, 6), (6, 9)]
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them():
+    parts = split_model(_config(32, 8), 16)
+    assert [p.kv_heads for p in parts[:4]] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [p.q_heads for p in parts[:3]] == [(0, 2), (2, 4), (4, 6)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, n, says", [
+    (9, 3, 4, "tensor_parallel 4 cannot split its 9 attention heads (3 KV heads)"),
+    (9, 3, 6, "quotient divides the 3 query heads"),
+    (8, 8, 2, "less than 32 MLP channels per rank"),
+])
+def test_splits_that_cannot_work_are_refused_by_name(heads, kv_heads, n, says):
+    intermediate = 48 if "MLP" in says else 1536
+    with pytest.raises(ValueError, match="smol: tensor_parallel") as err:
+        split_model(_config(heads, kv_heads, intermediate), n, "smol")
+    assert says in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def group(smollm2_path):
+    """SmolLM2 in float32 over two worker processes, one CPU each."""
+    devices = ["cpu:0", "cpu:1"]
+    ranks = [WorkerClient(WorkerSpec(name, EngineConfig(device="cpu", cpus=[i], num_threads=1, kv_cache_bytes=KV_BYTES),
+                                     GroupSpec(i, 2, "", devices)), {}, KV_BYTES)
+             for i, name in enumerate(devices)]
+    client = GroupClient(ranks)
+    client.start()
+    client.load("smol", smollm2_path, "float32", "float32", 1.0, None, None, ("smol",))
+    yield client
+    client.shutdown()
+
+
+def _generate(client, prompts: list[list[int]], params: SamplingParams) -> list[list]:
+    """Submit every prompt at once; each answer's outputs."""
+    outputs = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def sink(i):
+        def on_output(out):
+            outputs[i].append(out)
+            if out.finished:
+                done[i].set()
+        return on_output
+
+    for i, ids in enumerate(prompts):
+        client.submit(GenerationRequest("smol", ids, params), sink(i))
+    for event in done:
+        assert event.wait(120)
+    return outputs
+
+
+def _prompt_ids(llm) -> list[list[int]]:
+    return [llm.tokenizer.encode(llm.model.render_chat([{"role": "user", "content": p}])) for p in TP_PROMPTS]
+
+
+def _tokens(outputs) -> list[int]:
+    assert outputs[-1].finish_reason in ("length", "stop"), outputs[-1].error
+    return [t for out in outputs for t in out.token_ids]
+
+
+def _logprobs(outputs) -> list:
+    return [lp for out in outputs for lp in (out.logprobs or [])]
+
+
+def test_two_ranks_answer_as_one_device_alone_and_in_a_batch(group, llm):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=5)
+    prompts = _prompt_ids(llm)
+    single = llm.generate(prompts, params)
+    alone = [_generate(group, [ids], params)[0] for ids in prompts]
+    batch = _generate(group, prompts, params)
+    for run in (alone, batch):
+        same = [_tokens(out) == s.token_ids for out, s in zip(run, single)]
+        assert sum(same) >= 9, f"token for token: {same}"
+        for out, s, equal in zip(run, single, same):
+            if not equal:
+                continue
+            for ours, theirs in zip(_logprobs(out), s.logprobs):
+                assert ours.token_id == theirs.token_id
+                assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+                assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+                for (_, a), (_, b) in zip(ours.top, theirs.top):
+                    assert a == pytest.approx(b, abs=1e-4)
