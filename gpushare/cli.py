@@ -27,6 +27,7 @@ def cmd_serve(args) -> int:
     try:
         settings = load_settings(args.config, host=args.host)
         daemon.check_kv_dtype(settings)
+        daemon.check_tensor_parallel(settings)
     except ConfigError as e:
         print(f"gpushare serve: config error: {e}", file=sys.stderr)
         return 1
@@ -66,6 +67,8 @@ def cmd_ps(args) -> int:
             until_text = human_delta(until)
         processor = "100% GPU" if m["size_vram"] else "100% CPU"
         device = m.get("device", "") + ("" if m.get("device_healthy", True) else " (unhealthy)")
+        if m.get("tensor_parallel", 1) > 1:
+            device = f"TP={m['tensor_parallel']} {device}"
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
                      device, str(m.get("worker_pid") or "")])

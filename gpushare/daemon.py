@@ -2,9 +2,9 @@
 SIGHUP reloads (gpushare/lifecycle.py), drain and stop on SIGINT/SIGTERM.
 
 This process is the supervisor: HTTP, tenants, the registry, placement, the node. Engines run in
-worker processes, one per device of the worker plan (engine.devices: node/devices.py), started
-at once and restarted when they die (residency/device_supervisor.py); the registry loads models
-into them on demand. Start: the workers start, HTTP listens (/health, /ready answer 503
+worker processes, one per device of the worker plan (engine.devices: node/devices.py), plus one
+per rank of each tensor-parallel group (daemon_groups.py), started at once and restarted when
+they die (residency/device_supervisor.py); the registry loads models into them on demand. Start: the workers start, HTTP listens (/health, /ready answer 503
 "starting"), the configured models preload (each announced to systemd with
 EXTEND_TIMEOUT_USEC), then READY=1. A watchdog thread sends WATCHDOG=1 while no running engine
 is stalled. On the first SIGINT/SIGTERM: STOPPING=1, /ready and every new request answer 503,
@@ -26,6 +26,7 @@ from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
 from gpushare.config import ConfigError, Settings, parse_host
+from gpushare.daemon_groups import group_clients, plan_groups
 from gpushare.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
 from gpushare.residency.device_supervisor import DeviceSupervisor
 from gpushare.residency.node_engines import NodeEngines
@@ -80,19 +81,29 @@ def plan_workers(settings: Settings):
                 sorted(os.sched_getaffinity(0)), device)
 
 
-def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
+def check_tensor_parallel(settings: Settings) -> None:
+    """ConfigError when a tensor-parallel model cannot have its group (daemon_groups.plan_groups)."""
+    from gpushare.daemon_groups import plan_groups
+
+    plan_groups(settings, plan_workers(settings))
+
+
+def engine_config(settings: Settings, plan):
+    """The EngineConfig of the engine worker on one device of the worker plan."""
     from gpushare.engine.engine_config import EngineConfig
-    from gpushare.engine.worker_messages import WorkerSpec
 
     e = settings.engine
-    clients = {}
-    for plan in plans.workers:
-        config = EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                              block_size=e.block_size, num_threads=e.num_threads or plan.torch_threads,
-                              prefix_cache=settings.prefix_cache_scope, cpus=plan.cpus, device=plan.torch_device,
-                              kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype)
-        clients[plan.name] = WorkerClient(WorkerSpec(plan.name, config), plan.env, settings.memory.kv_budget_bytes)
-    return clients
+    return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                        block_size=e.block_size, num_threads=e.num_threads or plan.torch_threads,
+                        prefix_cache=settings.prefix_cache_scope, cpus=plan.cpus, device=plan.torch_device,
+                        kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype)
+
+
+def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
+    from gpushare.engine.worker_messages import WorkerSpec
+
+    return {plan.name: WorkerClient(WorkerSpec(plan.name, engine_config(settings, plan)), plan.env,
+                                    settings.memory.kv_budget_bytes) for plan in plans.workers}
 
 
 def engine_threads(settings: Settings, plans) -> dict:
@@ -189,18 +200,22 @@ async def serve(settings: Settings) -> None:
              ", ".join(m.name for m in settings.models) or "none configured", settings.models_dir)
     clients = worker_clients(settings, plans) if settings.engine.isolation == "process" else \
         engine_threads(settings, plans)
-    supervisor = DeviceSupervisor(clients, {p.name: p.mig_uuid or p.gpu_uuid for p in plans.workers})
+    groups, model_groups = group_clients(settings, plan_groups(settings, plans),
+                                         lambda plan: engine_config(settings, plan))
+    supervisor = DeviceSupervisor(clients | groups, {p.name: p.mig_uuid or p.gpu_uuid for p in plans.workers})
     await supervisor.start()
     try:
-        await serve_with(settings, supervisor, plans, dtype)
+        await serve_with(settings, supervisor, plans, dtype, model_groups)
     finally:
         await supervisor.close()
         log.info("stopped")
 
 
-async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dtype: str) -> None:
+async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dtype: str,
+                     model_groups: dict[str, str] | None = None) -> None:
     devices = supervisor.clients
     registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name)
+    registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
     engines = NodeEngines(devices)
     watchdog_s = notify.watchdog_interval_s()

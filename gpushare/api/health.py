@@ -33,7 +33,8 @@ def engine_alive(engines, stall_s: float) -> bool:
 
 
 def device_rows(ctx) -> list[dict]:
-    """Each device's worker: its pid, whether placement may use it, why not, how often it restarted."""
+    """Each device's worker: its pid (a tensor-parallel group's: its first rank's, and every rank's
+    in rank_pids), whether placement may use it, why not, how often it restarted."""
     supervisor = ctx.supervisor
     if supervisor is None:
         return []
@@ -41,9 +42,11 @@ def device_rows(ctx) -> list[dict]:
     rows = []
     for name, client in supervisor.clients.items():
         status = supervisor.status[name]
-        rows.append({"device": name, "worker_pid": client.pid if client.alive() else None,
+        alive = client.alive()
+        rows.append({"device": name, "worker_pid": client.pid if alive else None,
+                     **({"rank_pids": client.pids if alive else []} if client.world_size > 1 else {}),
                      "healthy": status.healthy, "restarts": status.restarts,
-                     "last_tick_s_ago": round(now_s - client.last_tick_s, 3) if client.alive() else None,
+                     "last_tick_s_ago": round(now_s - client.last_tick_s, 3) if alive else None,
                      **({"reason": status.reason} if status.reason else {})})
     return rows
 

@@ -30,9 +30,11 @@ def memory_report(ctx) -> MemoryReport:
     stats = ctx.engine.stats()
     rss = psutil.Process().memory_info().rss
     for device in ctx.registry.devices.values():
-        if device.pid is not None:
+        for pid in getattr(device, "pids", [device.pid]):  # a tensor-parallel group: every rank
+            if pid is None:
+                continue
             try:
-                rss += psutil.Process(device.pid).memory_info().rss
+                rss += psutil.Process(pid).memory_info().rss
             except psutil.Error:  # it just died; the supervisor restarts it
                 pass
     on_host = sum(e.weight_bytes + getattr(stats.models.get(e.name), "kv_committed_bytes", 0) for e in loaded

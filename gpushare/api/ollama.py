@@ -305,7 +305,10 @@ async def ps(request: web.Request) -> web.Response:
         s = stats.get(entry.name)
         expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
         kv_bytes = s.kv_committed_bytes if s else 0
-        size = entry.weight_bytes + kv_bytes  # what it holds now: weights and its slabs of the KV pool
+        # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
+        # holds the most KV heads; its slabs times the ranks bound the group's).
+        kv_bytes *= entry.engine.world_size
+        size = entry.weight_bytes + kv_bytes
         models.append({
             "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
@@ -319,6 +322,7 @@ async def ps(request: web.Request) -> web.Response:
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
             "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
+            "tensor_parallel": entry.engine.world_size, "devices": getattr(entry.engine, "members", [entry.device]),
             "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
             "weights": entry.model.weights,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
