@@ -100,7 +100,7 @@ class ModelRunner:
             running = [child for child in seqs[i].forks if child.num_computed]
             seqs += running  # each draws its first token from answer 0's last prompt row
             last_rows += [last_rows[i]] * len(running)
-        logits = self.loaded.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+        logits = self.loaded.model.logits(hidden, torch.tensor(last_rows, device=self.device))
         matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
         tokens, logprobs = sample_batch(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
                                         matchers)
@@ -129,7 +129,8 @@ class ModelRunner:
         last = min(start + chunk, len(prompt) - 1)
         for p in range(first, last, PROMPT_LOGITS_ROWS):
             q = min(p + PROMPT_LOGITS_ROWS, last)
-            logits = self.loaded.model.logits(hidden[first_row + p - start:first_row + q - start])
+            logits = self.loaded.model.logits(hidden, torch.arange(first_row + p - start, first_row + q - start,
+                                                                   device=self.device))
             seq.prompt_logprobs.extend(prompt_logprobs(logits, prompt[p + 1:q + 1], seq.params.prompt_logprobs))
 
     def hidden_states(self, seqs, chunks):

@@ -17,7 +17,9 @@ first, the loop thread on the others), as process groups need.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import pickle
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpushare.engine import shm_all_reduce
 from gpushare.engine.kv_pool import copy_block
 from gpushare.models.llama import AttentionBatch
 
@@ -53,6 +56,12 @@ class Forward:
 
 
 @dataclass
+class Logits:
+    model: str
+    rows: torch.Tensor  # of the last forward pass's final hidden states
+
+
+@dataclass
 class CopyBlock:
     model: str
     source: int
@@ -65,18 +74,75 @@ class Decommit:
     end: int
 
 
+@dataclass
+class _Group:
+    """This process's place in its group, once joined."""
+
+    rank: int = 0
+    world_size: int = 1
+    ops: object = None  # the process group ops travel in: gloo, also beside NCCL (ops are host objects)
+    shm: object = None  # CPU ranks: shm_all_reduce.ShmAllReduce
+
+
+_group = _Group()
+
+
 def join_group(spec: GroupSpec, device: str) -> None:
     """Join the group's process group; blocks until every rank has."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{spec.init_file}", rank=spec.rank,
+    on_gpu = device.startswith("cuda")
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{spec.init_file}", rank=spec.rank,
                             world_size=spec.world_size, timeout=IDLE_TIMEOUT)
-    log.info("rank %d of %d joined its group (%s) over %s", spec.rank, spec.world_size,
-             ", ".join(spec.devices), backend)
+    ops = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if on_gpu else None
+    _group.rank, _group.world_size, _group.ops = spec.rank, spec.world_size, ops
+    if not on_gpu and shm_all_reduce.supported():
+        path = f"/dev/shm/gpushare-tp-{hashlib.sha1(spec.init_file.encode()).hexdigest()[:16]}"
+        if spec.rank == 0:
+            _group.shm = shm_all_reduce.ShmAllReduce(path, 0, spec.world_size)
+        dist.barrier()
+        if spec.rank > 0:
+            _group.shm = shm_all_reduce.ShmAllReduce(path, spec.rank, spec.world_size)
+        dist.barrier()
+        if spec.rank == 0:
+            _group.shm.unlink()
+    log.info("rank %d of %d joined its group (%s) over %s, all-reduce %s", spec.rank, spec.world_size,
+             ", ".join(spec.devices), "nccl" if on_gpu else "gloo",
+             "in shared memory" if _group.shm else "nccl" if on_gpu else "by gloo exchange")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
+    """The sum of ``x`` over the ranks, in place; bit for bit the same on every rank.
+
+    GPUs: NCCL. CPU ranks: through shared memory (shm_all_reduce.py: microseconds, where gloo takes
+    0.5-1.2 ms a call on a 2-core machine and a step makes two per layer); where that cannot run,
+    each rank sends its part to every other over gloo and adds them all in rank order.
+    """
+    if _group.shm is not None:
+        return _group.shm(x)
+    if _group.ops is not None:
+        dist.all_reduce(x)
+        return x
+    parts = [x if r == _group.rank else torch.empty_like(x) for r in range(_group.world_size)]
+    pending = [dist.isend(x, r) for r in range(_group.world_size) if r != _group.rank]
+    pending += [dist.irecv(parts[r], r) for r in range(_group.world_size) if r != _group.rank]
+    for work in pending:
+        work.wait()
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    x.copy_(total)
     return x
+
+
+def gather_logits(part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+    """The ranks' vocabulary slices of the logits, ``[rows, widths[r]]`` each, joined on the first
+    rank (None on the others)."""
+    if _group.shm is not None:
+        return _group.shm.gather_columns(part, widths)
+    padded = torch.zeros(part.shape[0], max(widths), dtype=part.dtype, device=part.device)
+    padded[:, :part.shape[1]] = part
+    parts = [torch.empty_like(padded) for _ in widths]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1) if _group.rank == 0 else None
 
 
 def use_all_reduce(model: nn.Module) -> None:
@@ -85,25 +151,51 @@ def use_all_reduce(model: nn.Module) -> None:
         layer.reduce = all_reduce
 
 
-def _broadcast(op) -> object:
-    box = [op]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+# An op's pickled bytes travel in one message of this size when they fit (a decode step's do many
+# times over), else in a second one with the rest: one send per rank instead of the two of
+# broadcast_object_list.
+OP_MESSAGE_BYTES = 16 << 10
+
+
+def broadcast_op(op) -> object:
+    """The first rank sends ``op`` to every other; the others return what it sent (``op`` ignored)."""
+    head = torch.zeros(OP_MESSAGE_BYTES, dtype=torch.uint8)
+    if _group.rank == 0:
+        data = torch.frombuffer(bytearray(pickle.dumps(op)), dtype=torch.uint8)
+        size = data.numel()
+        head[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
+        first = min(size, OP_MESSAGE_BYTES - 8)
+        head[8:8 + first] = data[:first]
+        for r in range(1, _group.world_size):
+            dist.send(head, r, group=_group.ops)
+            if size > first:
+                dist.send(data[first:], r, group=_group.ops)
+        return op
+    dist.recv(head, 0, group=_group.ops)
+    size = int(head[:8].view(torch.int64))
+    first = min(size, OP_MESSAGE_BYTES - 8)
+    data = head[8:8 + first]
+    if size > first:
+        rest = torch.empty(size - first, dtype=torch.uint8)
+        dist.recv(rest, 0, group=_group.ops)
+        data = torch.cat([data, rest])
+    return pickle.loads(data.numpy().tobytes())
 
 
 class LeaderModel(nn.Module):
     """The first rank's part of a model, with its model's surface (start, run_layers, finish,
     logits, forward): each forward pass is broadcast to the other ranks before it runs here."""
 
-    def __init__(self, name: str, inner: nn.Module):
+    def __init__(self, name: str, inner: nn.Module, vocab_widths: list[int]):
         super().__init__()
         self.name = name
         self.inner = inner
+        self.vocab_widths = vocab_widths  # each rank's slice of lm_head
         self.config = inner.config
         self.layers = inner.layers
 
     def start(self, input_ids, positions, batch: AttentionBatch):
-        _broadcast(Forward(self.name, input_ids, positions, batch))
+        broadcast_op(Forward(self.name, input_ids, positions, batch))
         return self.inner.start(input_ids, positions, batch)
 
     def run_layers(self, state, kv_caches, should_pause=None) -> bool:
@@ -112,8 +204,10 @@ class LeaderModel(nn.Module):
     def finish(self, state):
         return self.inner.finish(state)
 
-    def logits(self, hidden):
-        return self.inner.logits(hidden)
+    def logits(self, hidden, rows=None):
+        rows = torch.arange(hidden.shape[0], device=hidden.device) if rows is None else rows
+        broadcast_op(Logits(self.name, rows))
+        return gather_logits(self.inner.logits(hidden, rows), self.vocab_widths)
 
     def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
         state = self.start(input_ids, positions, batch)
@@ -121,18 +215,20 @@ class LeaderModel(nn.Module):
         return self.finish(state)
 
     def mirror_copy_block(self, source: int, destination: int) -> None:
-        _broadcast(CopyBlock(self.name, source, destination))
+        broadcast_op(CopyBlock(self.name, source, destination))
 
 
 def broadcast_decommit(start: int, end: int) -> None:
     """The first rank's KV pool gave bytes back: so do the others (engine thread)."""
-    _broadcast(Decommit(start, end))
+    broadcast_op(Decommit(start, end))
 
 
 @dataclass
 class FollowerModel:
     model: nn.Module
     kv_caches: list
+    vocab_widths: list[int]
+    hidden: torch.Tensor | None = None  # of its last forward pass: what Logits ops read
 
 
 class Follower:
@@ -161,10 +257,13 @@ class Follower:
     def run(self) -> None:
         """Run ops until the group breaks up (the first rank exits): then this process ends too."""
         while True:
-            op = _broadcast(None)
+            op = broadcast_op(None)
             if isinstance(op, Forward):
                 entry = self._model(op.model)
-                entry.model(op.input_ids, op.positions, entry.kv_caches, op.batch)
+                entry.hidden = entry.model(op.input_ids, op.positions, entry.kv_caches, op.batch)
+            elif isinstance(op, Logits):
+                entry = self._model(op.model)
+                gather_logits(entry.model.logits(entry.hidden, op.rows), entry.vocab_widths)
             elif isinstance(op, CopyBlock):
                 copy_block(self._model(op.model).kv_caches, op.source, op.destination)
             elif isinstance(op, Decommit):

@@ -38,7 +38,7 @@ from gpushare.engine.test_hooks import install_test_stall
 from gpushare.engine.sequence import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
-from gpushare.models.tensor_parallel import rank_config, split_model
+from gpushare.models.tensor_parallel import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
 
@@ -169,7 +169,8 @@ class WorkerHost:
 
         model, warm = _take_or_load(self.spec, self.warm, message, progress)
         if self.spec.group is not None and not warm:
-            model.model = LeaderModel(message.name, model.model)
+            model.model = LeaderModel(message.name, model.model,
+                                      vocab_widths(model.whole_config, self.spec.group.world_size))
         self.engine.add_model(message.name, model, share_weight=message.share_weight)
         self.loaded[message.name] = model
         return m.Loaded(model.weights, model.weight_bytes, warm)
@@ -247,7 +248,8 @@ class FollowerHost:
         first = rank_config(whole, split_model(whole, self.spec.group.world_size)[0])
         stride = kv_bytes_per_block(first, config.block_size, self.kv_dtype)
         views = self.follower.kv_pool.layer_views(model.config, config.block_size, self.kv_dtype, stride)
-        self.follower.add(message.name, FollowerModel(model.model, views))
+        widths = vocab_widths(whole, self.spec.group.world_size)
+        self.follower.add(message.name, FollowerModel(model.model, views, widths))
         self.loaded[message.name] = model
         return m.Loaded(model.weights, model.weight_bytes, warm)
 

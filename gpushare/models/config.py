@@ -66,6 +66,7 @@ class ModelConfig:
     final_softcap: float | None = None  # the same on the logits
     layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window in tokens, 0 = global
     rope_theta_local: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
+    lm_head_rows: int | None = None  # tensor parallel: this rank's slice of the vocabulary; None: all of it
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

@@ -102,7 +102,14 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.row_lookup is not None:
             return self.row_lookup(ids, dtype)
+        if self.weight is None:  # its own int8 rows
+            return (self.qweight[ids].to(torch.float32) * self.scales[ids, None]).to(dtype)
         return F.embedding(ids, self.weight)
+
+    def set_quantized(self, w: Int8Weight, device: str) -> None:
+        self.weight = None
+        self.register_buffer("qweight", w.qweight.to(device), persistent=False)
+        self.register_buffer("scales", w.scales.to(device), persistent=False)
 
 
 def linear_bytes(module: Linear) -> int:

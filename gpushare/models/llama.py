@@ -16,7 +16,7 @@ from torch import nn
 from gpushare import kernels
 from gpushare.models.config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
-from gpushare.models.quantized import stack_rows
+from gpushare.models.quantized import Int8Weight, stack_rows
 
 
 @dataclass
@@ -207,7 +207,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.lm_head_rows or config.vocab_size, bias=False)
         self.embedding_scale = config.hidden_size ** 0.5 if config.scale_embeddings else None
         self.register_buffer("rope", rope_table(config), persistent=False)
         self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
@@ -253,8 +253,9 @@ class LlamaModel(nn.Module):
         return self.norm(state.x)
 
     @torch.inference_mode()
-    def logits(self, hidden):
-        logits = self.lm_head(hidden).float()
+    def logits(self, hidden, rows=None):
+        """float32 logits of ``hidden[rows]`` (all rows when None)."""
+        logits = self.lm_head(hidden if rows is None else hidden[rows]).float()
         cap = self.config.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 
@@ -325,6 +326,8 @@ def build_model(config: ModelConfig, state: dict, dtype: torch.dtype, device: st
         model.embed_tokens.weight = None
     elif tied and model.lm_head.format == "dense" and model.lm_head.weight.dtype == dtype:
         model.embed_tokens.weight = model.lm_head.weight
+    elif isinstance(embedding, Int8Weight):  # a tensor-parallel rank's lm_head holds part of it: keep it int8
+        model.embed_tokens.set_quantized(embedding, device)
     else:
         dense = embedding if isinstance(embedding, torch.Tensor) else embedding.dequantize()
         model.embed_tokens.weight = nn.Parameter(dense.to(device=device, dtype=dtype), requires_grad=False)
@@ -342,4 +345,6 @@ def weight_bytes(model: nn.Module) -> int:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
+    total += sum(m.qweight.nbytes + m.scales.nbytes for m in model.modules()
+                 if isinstance(m, Embedding) and hasattr(m, "qweight"))  # int8 rows of their own
     return total + sum(linear_bytes(m) for m in model.modules() if isinstance(m, Linear) and m.format != "dense")
