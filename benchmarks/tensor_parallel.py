@@ -7,9 +7,9 @@ cpu:0 alone, and what its communication costs.
    daemon, its HTTP and the load generator share the two cores in both runs.
 2. communication: two processes pinned one per core, joined by gloo as the ranks are: one
    all-reduce of a step's [tokens, hidden] float32 block output, times 2 per layer (what a
-   step spends in all-reduces); the broadcast of one step's inputs; and what lm_head would
-   cost replicated (each rank runs it whole: what gpushare does) against vocab-parallel
-   (each rank half, then an all-gather of the logits).
+   step spends in all-reduces, and gloo's own all_reduce beside it); the broadcast of one
+   step's inputs; and lm_head whole on one rank against vocab-parallel (each rank half, then
+   the gather of the logits: what gpushare does).
 
     python benchmarks/tensor_parallel.py                 # both, ~6 minutes on a 2-core CPU
     python benchmarks/tensor_parallel.py --only communication
@@ -61,7 +61,8 @@ def _rank(rank: int, init_file: str, reps: int, out_file: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from gpushare.engine.tensor_parallel import Forward, GroupSpec, all_reduce, broadcast_op, join_group
+    from gpushare.engine.tensor_parallel import (Forward, GroupSpec, all_reduce, broadcast_op, gather_logits,
+                                                 join_group)
     from gpushare.models.llama import AttentionBatch
 
     torch.set_num_threads(1)
@@ -86,8 +87,7 @@ def _rank(rank: int, init_file: str, reps: int, out_file: str) -> None:
             F.linear(h, w)
             figures[f"{name}_{tokens}"] = _timed_ms(lambda: F.linear(h, w), reps // 10)
         part = torch.randn(tokens, VOCAB // 2)
-        gathered = [torch.empty_like(part) for _ in range(2)]
-        figures[f"all_gather_logits_ms_{tokens}"] = _timed_ms(lambda: dist.all_gather(gathered, part), reps // 10)
+        figures[f"gather_logits_ms_{tokens}"] = _timed_ms(lambda: gather_logits(part, [VOCAB // 2] * 2), reps // 10)
     if rank == 0:
         Path(out_file).write_text(json.dumps(figures))
     dist.destroy_process_group()
@@ -111,14 +111,14 @@ def report(result: dict, args) -> str:
                          f"{r['tp2']:.1f} ({r['tp2'] / r['tp1']:.2f}x)")
     if "communication" in result:
         c = result["communication"]
-        lines.append("communication between the two ranks (gloo, one core each), ms:")
+        lines.append("communication between the two ranks (one core each), ms:")
         for tokens in (1, 16):
             lines.append(
                 f"  {tokens:>2} tokens a step: all-reduces {c[f'all_reduce_step_ms_{tokens}']:.2f} per step "
                 f"({2 * LAYERS} of [{tokens}, {HIDDEN}]; gloo's own all_reduce "
                 f"{c[f'gloo_all_reduce_step_ms_{tokens}']:.2f}), the step's broadcast {c[f'broadcast_ms_{tokens}']:.3f}; "
                 f"bfloat16 lm_head whole {c[f'lm_head_whole_ms_{tokens}']:.2f} vs half {c[f'lm_head_half_ms_{tokens}']:.2f} "
-                f"+ all-gather {c[f'all_gather_logits_ms_{tokens}']:.2f}")
+                f"+ gather {c[f'gather_logits_ms_{tokens}']:.2f}")
     return "\n".join(lines)
 
 
