@@ -75,9 +75,27 @@ def group_clients(settings: Settings, groups, rank_config) -> tuple[dict[str, Gr
         names = [w.name for w in group.workers]
         name = "+".join(names)
         if name not in clients:
-            ranks = [WorkerClient(WorkerSpec(w.name, rank_config(w), GroupSpec(i, len(names), "", names)), w.env,
-                                  settings.memory.kv_budget_bytes) for i, w in enumerate(group.workers)]
+            ranks = [WorkerClient(WorkerSpec(w.name, _on_rank_gpu(rank_config(w), w, i, group.workers),
+                                             GroupSpec(i, len(names), "", names)),
+                                  _rank_env(w, group.workers), settings.memory.kv_budget_bytes)
+                     for i, w in enumerate(group.workers)]
             clients[name] = GroupClient(ranks)
         model_groups[group.model] = name
         log.info("tensor parallel: %s over %s (%s): %s", group.model, ", ".join(names), group.link, group.why)
     return clients, model_groups
+
+
+def _rank_env(worker, workers) -> dict[str, str]:
+    """A GPU rank sees every GPU of its group, in rank order, so that NCCL can reach its peers
+    directly (NVLink, PCIe peer to peer): a process that sees only its own GPU cannot. MIG
+    instances have no peer path and keep their one device."""
+    if worker.torch_device != "cuda" or worker.mig_uuid is not None:
+        return worker.env
+    return {**worker.env, "CUDA_VISIBLE_DEVICES": ",".join(w.gpu_uuid for w in workers)}
+
+
+def _on_rank_gpu(config, worker, rank: int, workers):
+    """The rank's engine on its own GPU among those it sees (_rank_env)."""
+    if worker.torch_device == "cuda" and worker.mig_uuid is None:
+        config.device = f"cuda:{rank}"
+    return config

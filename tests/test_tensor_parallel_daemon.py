@@ -109,3 +109,32 @@ def test_a_model_its_ranks_cannot_split_is_a_config_error(tmp_path):
     assert out.returncode == 1
     assert ("config error: models[0] odd: tensor_parallel 2 cannot split its 3 attention heads (1 KV heads)"
             in out.stderr), out.stderr
+
+
+def test_a_gpu_group_rank_sees_its_group_in_rank_order_and_runs_on_its_own(tmp_path):
+    """On the recorded 8xH100 node (NVML and sysfs fakes), a TP=4 group's ranks: NCCL reaches peers
+    only among the GPUs a process sees, so each sees the group's four, and runs on the rank-th."""
+    from test_devices import h100_node_gpus, plan_for
+
+    from gpushare.config import parse_settings
+    from gpushare.daemon import engine_config
+    from gpushare.daemon_groups import group_clients
+    from gpushare.node.gpu_links import GpuLinks
+    from gpushare.node.tp_groups import plan_tp_groups
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    settings = parse_settings({"engine": {"devices": [f"cuda:{i}" for i in range(8)]},
+                               "models": [{"name": "big", "path": str(model), "tensor_parallel": 4,
+                                           "tensor_parallel_cross_numa": True}]}, env={})
+    plans = plan_for(h100_node_gpus(), "xeon-2s-8xh100", devices=settings.engine.devices)
+    groups = plan_tp_groups(settings.models, plans, GpuLinks())
+    clients, model_groups = group_clients(settings, groups, lambda plan: engine_config(settings, plan))
+    [(name, group)] = clients.items()
+    assert model_groups == {"big": name} and group.world_size == 4
+    uuids = [gpu.uuid for gpu in h100_node_gpus()]
+    members = [int(m.split(":")[1]) for m in group.members]
+    for rank, client in enumerate(group.ranks):
+        assert client.env["CUDA_VISIBLE_DEVICES"] == ",".join(uuids[i] for i in members)
+        assert client.config.device == f"cuda:{rank}"
+        assert client.spec.group.rank == rank and client.spec.group.devices == group.members

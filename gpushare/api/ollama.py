@@ -312,7 +312,7 @@ async def ps(request: web.Request) -> web.Response:
         models.append({
             "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
-            "size_vram": size if entry.engine.config.device == "cuda" else 0,
+            "size_vram": size if entry.engine.config.device.startswith("cuda") else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
             "context_length": context_room(entry.engine, entry.name, entry.model.config.context_length,
                                            entry.source.preset.options.get("num_ctx")

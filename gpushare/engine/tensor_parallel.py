@@ -90,6 +90,8 @@ _group = _Group()
 def join_group(spec: GroupSpec, device: str) -> None:
     """Join the group's process group; blocks until every rank has."""
     on_gpu = device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{spec.init_file}", rank=spec.rank,
                             world_size=spec.world_size, timeout=IDLE_TIMEOUT)
     ops = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if on_gpu else None

@@ -225,6 +225,8 @@ class FollowerHost:
             os.sched_setaffinity(0, self.spec.config.cpus)
         if self.spec.config.num_threads:
             torch.set_num_threads(self.spec.config.num_threads)
+        if self.spec.config.device.startswith("cuda:"):
+            torch.cuda.set_device(self.spec.config.device)
         try:
             self.follower.run()
         except Exception as e:  # the first rank is gone: the group restarts as one

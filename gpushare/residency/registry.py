@@ -72,8 +72,8 @@ class Registry:
         self._descriptions: dict[str, ModelDescription] = {}  # by ModelSource.digest()
         self._background: set[asyncio.Task] = set()
         # Measured once, at start: later the loaded models themselves would shrink "available". Devices
-        # that share host RAM (CPU engines) split it.
-        kinds = [d.config.device for d in devices.values()]
+        # that share host RAM (CPU engines) split it; a tensor-parallel group's ranks run on those devices.
+        kinds = [d.config.device for d in devices.values() if d.world_size == 1]
         cpu_devices = max(1, kinds.count("cpu"))
         self._default_budget_bytes = min(default_budget_bytes(kind, settings.memory.host_cache_bytes)
                                          // (cpu_devices if kind == "cpu" else 1) for kind in kinds)
