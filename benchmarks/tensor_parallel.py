@@ -11,7 +11,13 @@ cpu:0 alone, and what its communication costs.
    step's inputs; and lm_head whole on one rank against vocab-parallel (each rank half, then
    the gather of the logits: what gpushare does).
 
-    python benchmarks/tensor_parallel.py                 # both, ~6 minutes on a 2-core CPU
+3. --synthetic: the serving comparison on a random-weight Llama of 0.5B parameters (hidden 2048,
+   8 layers, 16 heads, 8 KV heads, SmolLM2's tokenizer), built in a temporary folder: a model
+   whose steps are mostly matrix work, where SmolLM2-135M's are mostly per-op overhead that
+   every rank pays whole.
+
+    python benchmarks/tensor_parallel.py                 # SmolLM2: both parts, ~2 minutes on a 2-core CPU
+    python benchmarks/tensor_parallel.py --only serving --synthetic --weights int8   # ~5 minutes
     python benchmarks/tensor_parallel.py --only communication
 
 Run nothing else meanwhile: two torch processes on 2 cores slow each other 5-20x.
@@ -23,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,6 +40,7 @@ from tenants import parse_with_model  # noqa: E402
 from workers import measure  # noqa: E402
 
 HIDDEN, VOCAB, LAYERS = 576, 49152, 30  # SmolLM2-135M
+SYNTHETIC = {"hidden": 2048, "inter": 5632, "layers": 8, "heads": 16, "kv_heads": 8}
 
 
 async def serving(args) -> dict:
@@ -105,7 +113,8 @@ def communication(reps: int) -> dict:
 def report(result: dict, args) -> str:
     lines = []
     if "serving" in result:
-        lines.append(f"serving, {args.weights} weights, {args.output_len} tokens per request (output tok/s):")
+        model = "a random 0.5B Llama" if args.synthetic else os.path.basename(args.model_path)
+        lines.append(f"serving {model}, {args.weights} weights, {args.output_len} tokens per request (output tok/s):")
         for concurrency, r in result["serving"].items():
             lines.append(f"  concurrency {concurrency:>2}: TP=1 on cpu:0 {r['tp1']:.1f}, TP=2 over cpu:0+cpu:1 "
                          f"{r['tp2']:.1f} ({r['tp2'] / r['tp1']:.2f}x)")
@@ -127,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M)")
     p.add_argument("--only", choices=["serving", "communication"])
     p.add_argument("--weights", default="auto", help="the model's weight format (default: auto)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="serve a random-weight 0.5B Llama instead (its tokenizer from --model-path)")
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--reps", type=int, default=2000, help="all-reduces timed (broadcasts and lm_heads: a tenth)")
     p.add_argument("--seed", type=int, default=0)
@@ -135,10 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out")
     args = parse_with_model(p, argv)
     result = {}
-    if args.only in (None, "communication"):
-        result["communication"] = communication(args.reps)
-    if args.only in (None, "serving"):
-        result["serving"] = asyncio.run(serving(args))
+    folder = tempfile.mkdtemp(prefix="gpushare-tp-model-") if args.synthetic else None
+    try:
+        if folder is not None:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+            from model_files import random_llama_folder
+
+            args.model_path = random_llama_folder(args.model_path, folder, **SYNTHETIC)
+        if args.only in (None, "communication"):
+            result["communication"] = communication(args.reps)
+        if args.only in (None, "serving"):
+            result["serving"] = asyncio.run(serving(args))
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder)
     print(report(result, args))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"config": vars(args), **result}, indent=2))

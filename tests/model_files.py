@@ -41,12 +41,13 @@ def gguf_to_hf_folder(gguf_path: str, folder: str, shards: int = 2) -> str:
     return folder
 
 
-def random_llama_folder(gguf_path: str, folder: str, seed: int = 0) -> str:
-    """A tiny random-weight Llama (2 layers, hidden 64) that shares SmolLM2's tokenizer."""
+def random_llama_folder(gguf_path: str, folder: str, seed: int = 0, hidden: int = 64, inter: int = 128,
+                        layers: int = 2, heads: int = 4, kv_heads: int = 2) -> str:
+    """A random-weight Llama (tiny by default: 2 layers, hidden 64) that shares SmolLM2's tokenizer."""
     os.makedirs(folder, exist_ok=True)
     config, _, tokenizer, template, _, _ = read_gguf(gguf_path)
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter, layers, heads, kv_heads, vocab = 64, 128, 2, 4, 2, config.vocab_size
+    vocab = config.vocab_size
     head_dim = hidden // heads
 
     def w(*shape):
