@@ -2,6 +2,8 @@
 (torch.distributed gloo) answering as one device does."""
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,17 +58,23 @@ def test_splits_that_cannot_work_are_refused_by_name(heads, kv_heads, n, says):
 
 
 @pytest.fixture(scope="module")
-def group(smollm2_path):
+def served(smollm2_path):
     """SmolLM2 in float32 over two worker processes, one CPU each."""
     devices = ["cpu:0", "cpu:1"]
-    ranks = [WorkerClient(WorkerSpec(name, EngineConfig(device="cpu", cpus=[i], num_threads=1, kv_cache_bytes=KV_BYTES),
-                                     GroupSpec(i, 2, "", devices)), {}, KV_BYTES)
+    # An idle model gives its KV slabs back after 1 s: on every rank (the Decommit op).
+    config = {"device": "cpu", "num_threads": 1, "kv_cache_bytes": KV_BYTES, "kv_idle_release_s": 1.0}
+    ranks = [WorkerClient(WorkerSpec(name, EngineConfig(cpus=[i], **config), GroupSpec(i, 2, "", devices)), {}, KV_BYTES)
              for i, name in enumerate(devices)]
     client = GroupClient(ranks)
     client.start()
-    client.load("smol", smollm2_path, "float32", "float32", 1.0, None, None, ("smol",))
-    yield client
+    head, _, _ = client.load("smol", smollm2_path, "float32", "float32", 1.0, None, None, ("smol",))
+    yield SimpleNamespace(client=client, head=head)
     client.shutdown()
+
+
+@pytest.fixture
+def group(served):
+    return served.client
 
 
 def _generate(client, prompts: list[list[int]], params: SamplingParams) -> list[list]:
@@ -119,3 +127,44 @@ def test_two_ranks_answer_as_one_device_alone_and_in_a_batch(group, llm):
                 assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
                 for (_, a), (_, b) in zip(ours.top, theirs.top):
                     assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_forked_answers_copy_their_kv_on_every_rank(group, llm):
+    """n = 2: answer 1 forks from answer 0 after the prefill, copying the shared partial KV block
+    (a CopyBlock op on the other rank); greedy, both answers are the single device's one."""
+    prompt = _prompt_ids(llm)[4]
+    single = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))[0].token_ids
+    answers: dict[int, list[int]] = {0: [], 1: []}
+    finished = threading.Semaphore(0)
+
+    def on_output(out):
+        answers[out.index].extend(out.token_ids)
+        if out.finished:
+            assert out.finish_reason in ("length", "stop"), out.error
+            finished.release()
+
+    group.submit(GenerationRequest("smol", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=2)),
+                 on_output)
+    assert finished.acquire(timeout=120) and finished.acquire(timeout=120)
+    assert answers == {0: single, 1: single}
+
+
+def test_answers_stay_exact_after_every_rank_gave_its_idle_kv_back(group, llm):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    prompt = _prompt_ids(llm)[2]
+    _generate(group, [prompt], params)
+    deadline = time.monotonic() + 30
+    while group.stats().kv_committed_bytes and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group.stats().kv_committed_bytes == 0  # the first rank's slabs went back, and a Decommit op out
+    assert _tokens(_generate(group, [prompt], params)[0]) == llm.generate([prompt], params)[0].token_ids
+
+
+def test_a_warm_model_comes_back_on_every_rank(served, llm, smollm2_path):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    prompt, group = _prompt_ids(llm)[3], served.client
+    kept = group.unload("smol", served.head, ("smol-warm",))
+    assert kept is served.head
+    served.head, _, warm = group.load("smol", smollm2_path, "float32", "float32", 1.0, None, kept, ("smol-warm",))
+    assert warm is True  # every rank took its part from its own warm tier
+    assert _tokens(_generate(group, [prompt], params)[0]) == llm.generate([prompt], params)[0].token_ids
