@@ -113,6 +113,26 @@ def keep_start_only_settings(old: Settings, new: Settings) -> list[str]:
         if getattr(new, name) != getattr(old, name):
             changed.append(name)
             setattr(new, name, getattr(old, name))
+    return changed + _keep_tensor_parallel(old, new)
+
+
+def _keep_tensor_parallel(old: Settings, new: Settings) -> list[str]:
+    """Tensor-parallel groups are planned and started with the daemon (daemon_groups.py): a model
+    keeps the split it started with, and a model that asks for one waits for the restart."""
+    keys = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
+    before = {m.name: m for m in old.models}
+    changed, kept = [], []
+    for model in new.models:
+        was = before.get(model.name)
+        if was is None and (model.tensor_parallel != 1 or model.tensor_parallel_devices):
+            changed.append(f"models: {model.name} (a new tensor-parallel model)")
+            continue
+        if was is not None and any(getattr(model, k) != getattr(was, k) for k in keys):
+            changed.append(f"models: {model.name}'s tensor_parallel")
+            for k in keys:
+                setattr(model, k, getattr(was, k))
+        kept.append(model)
+    new.models = kept
     return changed
 
 

@@ -94,6 +94,26 @@ def test_a_dead_rank_takes_its_group_down_and_the_group_restarts_as_one(tp_daemo
     assert chat(tp_daemon, 2) == expected_text(llm, oracle_outputs, 2)
 
 
+@needs_two_cpus
+def test_a_reload_keeps_each_split_until_the_restart(tp_daemon, smollm2_path):
+    """Groups are planned at start: a SIGHUP that changes a model's tensor_parallel, or adds a
+    tensor-parallel model, keeps the running split and says it waits for the restart."""
+    config_path = tp_daemon.log_path.parent / "gpushare.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["models"] = [{**config["models"][0], "tensor_parallel": 1},
+                        {"name": "later", "path": smollm2_path, "tensor_parallel": 2}]
+    config_path.write_text(yaml.safe_dump(config))
+    reloads = tp_daemon.log().count("config reloaded")
+    tp_daemon.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: tp_daemon.log().count("config reloaded") > reloads, 30), tp_daemon.log()
+    log = tp_daemon.log()
+    assert f"models: {TP}'s tensor_parallel changed; it takes effect at the next restart" in log
+    assert "models: later (a new tensor-parallel model) changed; it takes effect at the next restart" in log
+    names = [m["name"] for m in http("GET", tp_daemon.url + "/api/tags")[1]["models"]]
+    assert TP in names and "later" not in names
+    assert tp_daemon.loaded()[TP]["tensor_parallel"] == 2
+
+
 def test_a_model_its_ranks_cannot_split_is_a_config_error(tmp_path):
     folder = tmp_path / "odd"
     folder.mkdir()
