@@ -5,7 +5,8 @@
 
 Both servers serve the same GGUF with the same threads, started here on loopback ports, one after
 the other (never together: two servers on 2 cores disturb each other). For each: the resident set
-(RSS, gpushare's daemon and its engine worker together) once the model has answered one short chat ("idle"), right after a burst of concurrent
+(RSS, and PSS, which counts a page shared by several processes once among them: gpushare's daemon
+and its engine worker together) once the model has answered one short chat ("idle"), right after a burst of concurrent
 streaming chats, and after a rest (gpushare gives the KV slabs of a model idle for 30 s back; the
 rest is 60 s). llama-server runs as the issue measured it (-c 8192 --parallel 4: a 8192-token KV
 cache it holds from the start). For gpushare the script also prints where its memory goes, from
@@ -33,11 +34,14 @@ from serve import run_benchmark  # noqa: E402
 MiB = 1 << 20
 
 
-def rss_bytes(proc: ServerProcess) -> int:
-    """The server's resident set with its children's: gpushare's engine workers are processes of
-    their own. (Shared pages count once per process: the sum overstates a little.)"""
+def resident_bytes(proc: ServerProcess) -> tuple[int, int]:
+    """(RSS, PSS) of the server with its children: gpushare's engine workers are processes of their
+    own. Summed RSS counts a page every process maps (torch's libraries, the model file) once per
+    process; PSS shares each page out among the processes that map it, so the sum of PSS is what
+    they take from the machine together. For one process alone the two are about the same."""
     top = psutil.Process(proc.proc.pid)
-    return sum(p.memory_info().rss for p in [top, *top.children(recursive=True)])
+    infos = [p.memory_full_info() for p in [top, *top.children(recursive=True)]]
+    return sum(i.rss for i in infos), sum(i.pss for i in infos)
 
 
 def get_json(url: str) -> dict:
@@ -54,14 +58,15 @@ def measure(name: str, proc: ServerProcess, url: str, streams: int, rest_s: floa
 
     burst(1)  # loads the model and answers one short chat
     time.sleep(2)
-    row = {"idle": rss_bytes(proc)}
+    row = {}
+    row["idle"], row["idle_pss"] = resident_bytes(proc)
     result = burst(streams)
-    row["after_burst"] = rss_bytes(proc)
+    row["after_burst"], row["after_burst_pss"] = resident_bytes(proc)
     if result["errors"]:
         raise RuntimeError(f"{name}: the burst failed: {result['errors']}")
     row["tok_s"] = result["metrics"]["output_throughput_tok_s"]
     time.sleep(rest_s)
-    row["after_rest"] = rss_bytes(proc)
+    row["after_rest"], row["after_rest_pss"] = resident_bytes(proc)
     return row
 
 
@@ -108,13 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             peer.stop()
 
     print(f"resident memory (MiB), {streams} streams of {tokens} tokens, {rest_s:.0f} s rest; logs in {log_dir}")
-    print(f"{'system':<10} {'idle':>8} {'burst':>8} {'rest':>8} {'rest/idle':>10} {'burst tok/s':>12}")
+    print(f"{'system':<10} {'':<4} {'idle':>8} {'burst':>8} {'rest':>8} {'rest/idle':>10} {'burst tok/s':>12}")
     for name, r in rows.items():
-        print(f"{name:<10} {r['idle'] / MiB:>8.0f} {r['after_burst'] / MiB:>8.0f} {r['after_rest'] / MiB:>8.0f} "
-              f"{r['after_rest'] / r['idle']:>10.3f} {r['tok_s'] or 0:>12.1f}")
+        for kind, suffix in (("RSS", ""), ("PSS", "_pss")):
+            idle, burst, rest = (r[k + suffix] for k in ("idle", "after_burst", "after_rest"))
+            print(f"{name:<10} {kind:<4} {idle / MiB:>8.0f} {burst / MiB:>8.0f} {rest / MiB:>8.0f} "
+                  f"{rest / idle:>10.3f} {r['tok_s'] or 0:>12.1f}")
     if "llama.cpp" in rows:
-        print(f"gpushare idle / llama.cpp idle: {rows['gpushare']['idle'] / rows['llama.cpp']['idle']:.2f}x "
-              f"(target <= 2x)")
+        for kind, key in (("RSS summed over processes", "idle"), ("PSS", "idle_pss")):
+            print(f"gpushare idle / llama.cpp idle, {kind}: "
+                  f"{rows['gpushare'][key] / rows['llama.cpp'][key]:.2f}x (target <= 2x)")
     print("gpushare after the rest (MiB): " + ", ".join(f"{k.removesuffix('_bytes')} {v / MiB:.0f}"
                                                       for k, v in breakdown.items()))
     return 0
