@@ -12,8 +12,8 @@ from gpushare.config import ConfigError, parse_settings
 from gpushare.models.cpu_kernels import quantized_cpu_weights
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
-from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize_int4, quantize_int8
-from gpushare.models.weight_format import quantize, resolve_weights
+from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
+from gpushare.models.weight_format import resolve_weights
 from model_files import gguf_to_hf_folder
 
 SMOLLM2_FLOAT32_BYTES = 134_515_008 * 4  # its parameters as float32, tied embedding once
