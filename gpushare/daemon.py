@@ -218,8 +218,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
                      model_groups: dict[str, str] | None = None) -> None:
     devices = supervisor.clients
     registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name,
-                        memory_total_bytes={p.name: p.memory_total_bytes for p in plans.workers
-                                            if p.memory_total_bytes is not None})
+                        memory_total_bytes=plans.memory_total_bytes())
     registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
     engines = NodeEngines(devices)

@@ -42,7 +42,7 @@ def best_time_s(fn, reps: int = 20) -> float:
 @functools.cache
 def quantized_cpu_weights() -> str:
     """The faster format for a quantized file's weights on this CPU: "int8" or "float32"."""
-    return known_cpu_weights() or _keep(_verdict_file("weights"), _measure())
+    return known_cpu_weights() or _keep(verdict_file("weights"), _measure())
 
 
 def known_cpu_weights() -> str | None:
@@ -51,13 +51,14 @@ def known_cpu_weights() -> str | None:
     if forced in CHOICES:
         return forced
     try:
-        known = _verdict_file("weights").read_text().strip()
+        known = verdict_file("weights").read_text().strip()
     except OSError:
         return None
     return known if known in CHOICES else None
 
 
-def _verdict_file(name: str) -> Path:
+def verdict_file(name: str) -> Path:
+    """Where this machine's verdict on ``name`` is kept: one file per CPU model and torch version."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]

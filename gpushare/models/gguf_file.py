@@ -2,7 +2,6 @@
 one into the model's weight format (gpushare.models.weight_format). The header (metadata, tensor
 table) is gguf_reader.open_gguf's."""
 
-
 import numpy as np
 import torch
 

@@ -13,12 +13,11 @@ from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
 from gpushare.models.llama import build_model
-from gpushare.models.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, hf_info, hf_text_side, matrix_types,
-                                        stop_ids)
-from gpushare.models.tokenizer import tokenizer_from_gguf
+from gpushare.models.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
+                                        matrix_types)
+from gpushare.models.quantized import quantize
 from gpushare.models.tensor_parallel import shard_state
 from gpushare.models.tensor_split import rank_config, split_model
-from gpushare.models.quantized import quantize
 from gpushare.models.weight_format import resolve_weights, target_of
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -46,9 +45,8 @@ def read_gguf(path: str, progress=None, weights: str = "float32", device: str = 
         if factors is not None:
             config.rope_scaling[f"{which}_factor"] = factors.flatten().tolist()
     config.tie_word_embeddings = "lm_head.weight" not in state
-    tokenizer = tokenizer_from_gguf(meta)
-    stop = stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
-    return config, state, tokenizer, meta.get("tokenizer.chat_template"), stop, gguf_info(meta, config, weights)
+    tokenizer, template, stop = gguf_text_side(meta)
+    return config, state, tokenizer, template, stop, gguf_info(meta, config, weights)
 
 
 def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str = "cpu"):

@@ -63,9 +63,7 @@ def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu
     else:
         meta, _ = open_gguf(path)
         config = config_from_gguf(meta)
-        tokenizer = tokenizer_from_gguf(meta)
-        template = meta.get("tokenizer.chat_template")
-        stop = stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
+        tokenizer, template, stop = gguf_text_side(meta)
         info = gguf_info(meta, config, weights)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
@@ -123,6 +121,13 @@ def stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
         ):
             ids.add(tokenizer.token_to_id(token))
     return ids
+
+
+def gguf_text_side(meta: dict):
+    """A GGUF's tokenizer, chat template and stop ids, from its metadata."""
+    tokenizer = tokenizer_from_gguf(meta)
+    stop = stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
+    return tokenizer, meta.get("tokenizer.chat_template"), stop
 
 
 def hf_text_side(path: str, raw: dict):
