@@ -22,6 +22,7 @@ import yaml
 from gpushare.config_env import apply_environment, ollama_stores
 from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
+from gpushare.engine.engine_config import KV_DTYPES
 from gpushare.limit_settings import LimitSettings, read_limits
 from gpushare.model_options import OptionError, options_from_json
 from gpushare.tensor_parallel_settings import read_tensor_parallel
@@ -35,7 +36,6 @@ BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
 DEVICES = ("auto", "cpu", "cuda")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # as gpushare.engine.kv_pool
 TENSOR_PARALLEL_KEYS = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
 
 
@@ -75,14 +75,14 @@ class ModelEntry:
 class EngineSettings:
     dtype: str = "auto"  # activations; auto: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
-    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu; steers devices=None only
+    device: str = "auto"  # auto: cuda when torch is a CUDA build and NVML sees a GPU, else cpu (devices=None only)
     devices: list[str] | None = None  # engine workers: cuda:N, GPU-/MIG- uuids, cpu, cpu:LIST; None: auto
     isolation: str = "process"  # each device's engine in a worker process | "thread": in the daemon
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_threads: int | None = None  # torch threads for the engine; None: torch's choice
-    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 on CUDA, float32 on CPU (engine/kv_pool.resolve_kv_dtype)
+    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 on CUDA, float32 on CPU (engine/engine_config.kv_dtype_name)
 
 
 @dataclass

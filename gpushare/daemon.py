@@ -16,9 +16,11 @@ signal skips the drain.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -43,21 +45,22 @@ IDLE_POLL_S = 0.05
 UNLOAD_GRACE_S = 10.0  # asked of systemd's stop timeout beyond the drain: unloading, the engine thread's end
 
 
-def resolve_device(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def torch_has_cuda() -> bool:
+    """Whether the installed torch is a CUDA build, told from its files (a CUDA build ships
+    libtorch_cuda): this process, the supervisor, never imports torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(Path(folder, "lib", "libtorch_cuda.so").exists() for folder in spec.submodule_search_locations)
 
 
 def check_kv_dtype(settings: Settings) -> None:
     """ConfigError when engine.kv_dtype is one a device the daemon would run on cannot store."""
-    from gpushare.engine.kv_pool import resolve_kv_dtype
+    from gpushare.engine.engine_config import kv_dtype_name
 
     try:
         for worker in plan_workers(settings).workers:
-            resolve_kv_dtype(settings.engine.kv_dtype, worker.torch_device)
+            kv_dtype_name(settings.engine.kv_dtype, worker.torch_device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -75,8 +78,8 @@ def plan_workers(settings: Settings):
     from gpushare.node.topology import read_topology
 
     device = settings.engine.device
-    if settings.engine.devices is None and device == "auto":
-        device = resolve_device(device)
+    if settings.engine.devices is None and device == "auto" and not torch_has_cuda():
+        device = "cpu"  # else auto: the GPUs NVML sees, or the CPU when there are none
     return plan(settings.engine.devices, read_gpus(), read_topology("/"), settings.node,
                 sorted(os.sched_getaffinity(0)), device)
 
@@ -214,7 +217,8 @@ async def serve(settings: Settings) -> None:
 async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dtype: str,
                      model_groups: dict[str, str] | None = None) -> None:
     devices = supervisor.clients
-    registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name)
+    registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name,
+                        memory_total_bytes=plans.memory_total_bytes())
     registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
     engines = NodeEngines(devices)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 
 from gpushare.config import ConfigError, Settings
-from gpushare.engine.tensor_parallel import GroupSpec
-from gpushare.engine.worker_messages import WorkerSpec
+from gpushare.engine.worker_messages import GroupSpec, WorkerSpec
 from gpushare.residency.group_client import GroupClient
 from gpushare.residency.worker_client import WorkerClient
 
@@ -19,8 +18,8 @@ log = logging.getLogger("gpushare.daemon")
 def plan_groups(settings: Settings, plans) -> list:
     """Each tensor-parallel model's TPGroupPlan, in config order; ConfigError names the model and
     what it cannot have (more devices than there are, a split its heads do not allow, SYS links)."""
-    from gpushare.models.loader import read_model_info
-    from gpushare.models.tensor_parallel import split_model
+    from gpushare.models.model_head import read_model_info
+    from gpushare.models.tensor_split import split_model
     from gpushare.node.gpu_links import GpuLinks, read_gpu_links
     from gpushare.node.runner import NodeError, SubprocessRunner
     from gpushare.node.tp_groups import plan_tp_groups
@@ -53,7 +52,7 @@ def plan_groups(settings: Settings, plans) -> list:
 
 def _need_bytes(settings: Settings, models, plans) -> dict[str, int]:
     """Weights (estimated from the file) plus one KV pool, for tensor_parallel: auto."""
-    from gpushare.models.weight_format import resolve_weights
+    from gpushare.models.weight_format import planned_weights
     from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 
     kind = "cuda" if any(w.torch_device == "cuda" for w in plans.workers) else "cpu"
@@ -61,7 +60,7 @@ def _need_bytes(settings: Settings, models, plans) -> dict[str, int]:
     for model in models:
         if model.tensor_parallel == "auto":
             count = count_tensors(model.path)
-            weights = resolve_weights(model.weights or settings.engine.weights, kind, set(count.source_types))
+            weights = planned_weights(model.weights or settings.engine.weights, kind, set(count.source_types))
             need[model.name] = estimate_weight_bytes(count, weights) + settings.memory.kv_budget_bytes
     return need
 

@@ -4,7 +4,7 @@ import threading
 from dataclasses import dataclass
 
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.sampling_params import SamplingParams
 from gpushare.models.loader import load_model
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20

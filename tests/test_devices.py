@@ -247,6 +247,21 @@ def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
     assert len({tuple(c.config.cpus) for c in clients.values()}) == 7  # no two share CPUs
 
 
+def test_a_gpu_nodes_default_budget_is_90_percent_of_each_devices_memory_as_nvml_reports_it():
+    """The supervisor learns device memory from the worker plan (NVML), not from CUDA, which it never
+    loads: on a 7-instance MIG A100 the budget is 90% of one instance's memory."""
+    from gpushare.config import parse_settings
+    from gpushare.daemon import worker_clients
+    from gpushare.residency.registry import Registry
+
+    settings = parse_settings({"models": []}, env={})
+    plans = plan_for([a100_7x1g()], "xeon-2s-4xh100")
+    assert set(plans.memory_total_bytes().values()) == {4864 << 20} and len(plans.memory_total_bytes()) == 7
+    registry = Registry(worker_clients(settings, plans), settings, dtype="bfloat16",
+                        memory_total_bytes=plans.memory_total_bytes())
+    assert registry.residency.budget_bytes == int((4864 << 20) * 0.9)
+
+
 def test_a_worker_sends_one_message_per_burst_of_outputs_and_only_its_newest_snapshot():
     from gpushare.engine import worker_messages as m
     from gpushare.engine.engine_stats import EngineSnapshot, EngineStats

@@ -9,11 +9,11 @@ import torch
 
 from gpushare import LLM, SamplingParams
 from gpushare.config import ConfigError, parse_settings
-from gpushare.models.cpu_kernels import quantized_cpu_weights
+from gpushare.models.cpu_kernels import known_cpu_weights, quantized_cpu_weights, verdict_file
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
-from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize_int4, quantize_int8
-from gpushare.models.weight_format import quantize, resolve_weights
+from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
+from gpushare.models.weight_format import planned_weights, resolve_weights
 from model_files import gguf_to_hf_folder
 
 SMOLLM2_FLOAT32_BYTES = 134_515_008 * 4  # its parameters as float32, tied embedding once
@@ -75,6 +75,24 @@ def test_auto_picks_int8_for_quantized_files_on_the_cpu():
     assert resolve_weights("auto", "cuda", set()) == "bfloat16"
     with pytest.raises(ValueError, match="int3.*choose from auto, int8, int4"):
         resolve_weights("int3", "cpu", set())
+
+
+def test_the_supervisors_plan_reads_the_kept_verdict_and_never_measures(tmp_path, monkeypatch):
+    """planned_weights (the supervisor's estimates): this machine's kept CPU verdict when there is
+    one, else int8 for a quantized file, and no timing run, which would leave a verdict behind."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPUSHARE_CPU_WEIGHTS", raising=False)
+    assert planned_weights("auto", "cpu", {"Q4_1", "Q8_0"}) == "int8"
+    assert known_cpu_weights() is None and not (tmp_path / "gpushare").exists()
+    assert planned_weights("auto", "cpu", set()) == "float32"
+    assert planned_weights("auto", "cuda", {"Q4_1"}) == "int4" and planned_weights("int4", "cpu", set()) == "int4"
+    (tmp_path / "gpushare").mkdir()
+    kept = verdict_file("weights")
+    assert kept.parent == tmp_path / "gpushare"
+    kept.write_text("float32")
+    assert planned_weights("auto", "cpu", {"Q4_1"}) == "float32"
+    monkeypatch.setenv("GPUSHARE_CPU_WEIGHTS", "int8")
+    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int8"
 
 
 def test_quantized_models_are_a_fraction_of_float32(smollm2_path):

@@ -325,7 +325,7 @@ def test_a_dead_device_loses_its_models_and_loads_wait_until_it_is_back(two_engi
 
 def test_a_tenant_kv_limit_counts_across_devices(two_engines, llm):
     """What the tenant holds on one device comes off its kv_limit on the other (NodeEngines)."""
-    from gpushare.engine.sampling import SamplingParams
+    from gpushare.engine.sampling_params import SamplingParams
     from gpushare.engine.tenants import TenantPolicy
     from gpushare.residency.node_engines import NodeEngines
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from gpushare.models.loader import _stop_ids
+from gpushare.models.model_head import stop_ids
 from gpushare.models.tokenizer import tokenizer_from_gguf
 
 spm = pytest.importorskip("sentencepiece")
@@ -68,5 +68,5 @@ def test_encodes_and_decodes_as_sentencepiece(gemma_like, text):
 def test_gemma_turn_end_marker_stops_generation(gemma_like):
     sp, meta = gemma_like
     tokenizer = tokenizer_from_gguf(meta)
-    assert _stop_ids(tokenizer, [1]) == {1, sp.piece_to_id("<end_of_turn>")}
+    assert stop_ids(tokenizer, [1]) == {1, sp.piece_to_id("<end_of_turn>")}
 

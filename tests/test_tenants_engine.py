@@ -7,9 +7,8 @@ import torch
 
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
-from gpushare.engine.kv_cache import KVCacheBusy
 from gpushare.engine.kv_pool import kv_bytes_per_block
-from gpushare.engine.request import EmbedRequest
+from gpushare.engine.request import EmbedRequest, KVCacheBusy
 from gpushare.engine.tenants import TenantPolicy
 from test_engine import chat_ids
 

@@ -10,11 +10,10 @@ import pytest
 from gpushare import SamplingParams
 from gpushare.engine.engine_config import EngineConfig
 from gpushare.engine.request import GenerationRequest
-from gpushare.engine.tensor_parallel import GroupSpec
-from gpushare.engine.worker_messages import WorkerSpec
+from gpushare.engine.worker_messages import GroupSpec, WorkerSpec
 from gpushare.models.config import ModelConfig
-from gpushare.models.loader import read_model_info
-from gpushare.models.tensor_parallel import split_model
+from gpushare.models.model_head import read_model_info
+from gpushare.models.tensor_split import split_model
 from gpushare.residency.group_client import GroupClient
 from gpushare.residency.worker_client import WorkerClient
 from tests.test_oracle import PROMPTS

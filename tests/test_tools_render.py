@@ -8,7 +8,7 @@ import pytest
 
 from gpushare.api.tools import (ReplyFilter, ToolSpec, parse_calls, render_messages, template_handles_tools)
 from gpushare.models.gguf_reader import read_gguf_file
-from gpushare.models.loader import LoadedModel
+from gpushare.models.model_head import LoadedModel
 from gpushare.models.tokenizer import tokenizer_from_gguf
 
 HERMES_TEMPLATE = (

@@ -11,10 +11,8 @@ from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
-from gpushare.engine.engine import EngineFailed
 from gpushare.api.tenants import admit, check_keep_alive
-from gpushare.engine.kv_cache import KVCacheBusy
-from gpushare.engine.request import EmbedRequest, check_embed, usable_context
+from gpushare.engine.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,

@@ -21,10 +21,9 @@ from aiohttp import web
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
-from gpushare.engine.engine import EngineFailed
-from gpushare.engine.request import (GenerationRequest, ModelLimits, RequestError, check_request, model_limits,
-                                     tenant_limit_bytes)
-from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.request import (EngineFailed, GenerationRequest, ModelLimits, RequestError, check_request,
+                                     model_limits, tenant_limit_bytes)
+from gpushare.engine.sampling_params import SamplingParams
 from gpushare.engine.sequence import RequestOutput
 
 log = logging.getLogger("gpushare.api")

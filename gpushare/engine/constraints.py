@@ -5,7 +5,8 @@ A request's ``StructuredOutput`` (a JSON Schema, or any JSON object) is compiled
 fails before the engine sees it. On the engine thread, ``apply_masks`` computes the allowed tokens
 of every constrained row of a step at once (llguidance's thread pool, outside the GIL) and sets
 the others to -inf; ``advance`` moves a matcher past the sampled token. A step with no constrained
-sequence never calls into this module.
+sequence never calls into this module. torch is imported only by the functions that touch logits:
+the daemon's supervisor checks schemas here and must not load it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import functools
 import json
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:  # torch only where masks are applied: the supervisor checks schemas without it
+    import torch
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot loop on whitespace
 _executor: llguidance.LLExecutor | None = None
@@ -85,6 +89,8 @@ def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:
 
 def _executor_for_engine() -> llguidance.LLExecutor:
     global _executor
+    import torch
+
     if _executor is None:  # the engine thread only; as many workers as the engine's torch threads
         _executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
     return _executor
@@ -93,11 +99,13 @@ def _executor_for_engine() -> llguidance.LLExecutor:
 def apply_masks(logits: torch.Tensor, matchers: list) -> list[str | None]:
     """Set every token the row's grammar forbids to -inf, in place; ``matchers[i]`` is row i's
     matcher or None (unconstrained, untouched). Returns per row None, or why it cannot go on."""
+    import torch
+
     rows = [i for i, m in enumerate(matchers) if m is not None]
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     # Imported here: llguidance.torch costs ~190 MB of resident memory, which a process that never
-    # runs a constrained step (the daemon's supervisor; most engines) should not pay.
+    # runs a constrained step (most engines) should not pay.
     from llguidance.torch import fill_next_token_bitmask_par
 
     fill_next_token_bitmask_par(_executor_for_engine(), [(matchers[r], k) for k, r in enumerate(rows)], bitmask)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from gpushare.engine.engine_config import EngineConfig, ModelWorker
+from gpushare.engine.engine_config import EngineConfig
 from gpushare.engine.inbox import Call, Cancel, Embed, Submit, Wake
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
 from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, has_work, tenant_stats
@@ -34,20 +34,18 @@ from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.request import (EmbedRequest, GenerationRequest, check_embed, check_request, model_limits,
-                                     tenant_limit_bytes)
+from gpushare.engine.model_worker import ModelWorker
+from gpushare.engine.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
+                                     model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
-from gpushare.engine.sampling import SamplingFailure, SamplingParams
+from gpushare.engine.sampling_params import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
 from gpushare.engine.sequence import RequestOutput, Sequence, Status
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantLedger, TenantPolicy, TenantStats
-from gpushare.models.loader import LoadedModel, return_freed_memory
+from gpushare.models.loader import return_freed_memory
+from gpushare.models.model_head import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailed(RuntimeError):
-    """The engine loop stopped after an internal error and takes no more requests."""
 
 
 class Engine:

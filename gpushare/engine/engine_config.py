@@ -1,12 +1,31 @@
 """EngineConfig: one engine's settings (the daemon builds it from the YAML, the offline API from its
-arguments); ModelWorker: one loaded model's state inside the engine."""
+arguments), and the KV storage rule its ``kv_dtype`` is checked against. Torch-free: the daemon's
+supervisor builds configs for its worker processes without loading torch."""
 
 from dataclasses import dataclass
 
-from gpushare.engine.kv_pool import resolve_kv_dtype
-from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.scheduler import Scheduler
-from gpushare.models.loader import LoadedModel
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def kv_dtype_name(kv_dtype: str, device: str) -> str:
+    """The KV storage dtype's name for the ``engine.kv_dtype`` setting on ``device``; ValueError when
+    the device cannot store it. ``auto``: bfloat16 on a GPU (the compute dtype there); float32 on
+    the CPU. Measured on the CPU (docs/benchmarks.md), bfloat16 KV keeps the oracle prompts' greedy
+    answers and the perplexity (22.515 vs 22.520), but K/V rows that come from the prefix cache and
+    rows computed afresh differ in their last bits, which bfloat16 rounding turns into other tokens
+    (1 of 3 prompts from token 25 on): with it an answer would depend on what ran before. float16
+    is refused on the CPU (no fast float16 kernels); int8 (a quarter of float32's bytes plus a
+    scale per token and head) on GPUs, whose Triton kernels read float KV only."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    on_gpu = device.startswith("cuda")
+    if kv_dtype == "float16" and not on_gpu:
+        raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16, int8 or float32")
+    if kv_dtype == "int8" and on_gpu:
+        raise ValueError("engine.kv_dtype: int8 runs on the CPU only; on a GPU use bfloat16, float16 or float32")
+    if kv_dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    return kv_dtype
 
 
 @dataclass
@@ -20,24 +39,11 @@ class EngineConfig:
     cpus: list[int] | None = None  # pin the engine thread (and torch's pool) to these CPUs
     device: str = "cpu"
     kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model
-    kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 (kv_pool.resolve_kv_dtype)
+    kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 | int8 (kv_dtype_name)
     kv_slab_blocks: int = 8  # KV pool slab size, in blocks of the first model loaded
     kv_idle_release_s: float = 30.0  # a model idle this long drops its cached KV and gives its slabs back
 
     def __post_init__(self):
         if self.prefix_cache not in ("tenant", "global", "off"):
             raise ValueError(f"prefix_cache must be tenant, global or off, got {self.prefix_cache!r}")
-        resolve_kv_dtype(self.kv_dtype, self.device)
-
-
-@dataclass
-class ModelWorker:
-    name: str
-    loaded: LoadedModel
-    scheduler: Scheduler
-    runner: ModelRunner
-    share_weight: float = 1.0
-    steps: int = 0
-    virtual_steps: float = 0.0  # steps / share_weight, lifted when the model turns busy (fairness)
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+        kv_dtype_name(self.kv_dtype, self.device)

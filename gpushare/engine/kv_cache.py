@@ -16,6 +16,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from gpushare.engine.kv_pool import DeviceKVPool
+from gpushare.engine.request import KVCacheBusy
 from gpushare.engine.tenants import TenantLedger
 
 
@@ -30,10 +31,6 @@ def blocks_out_of_window(num_computed: int, block_size: int, window: int | None)
     if not window:
         return 0
     return max(0, num_computed - window + 1) // block_size
-
-
-class KVCacheBusy(RuntimeError):
-    """The blocks a request needs now are held by requests it may not preempt."""
 
 
 def block_hash(previous: bytes, scope: str, tokens) -> bytes:

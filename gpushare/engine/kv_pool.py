@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
+from gpushare.engine.engine_config import kv_dtype_name
 from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.config import ModelConfig
 
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 INT8_SCALE_BYTES = 4  # int8 KV: a float32 scale per token and KV head
 
 
@@ -36,24 +36,9 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def resolve_kv_dtype(kv_dtype: str, device: str) -> torch.dtype:
-    """The KV storage dtype for the ``engine.kv_dtype`` setting. ``auto``: bfloat16 on a GPU (the
-    compute dtype there); float32 on the CPU. Measured on the CPU (docs/benchmarks.md), bfloat16 KV
-    keeps the oracle prompts' greedy answers and the perplexity (22.515 vs 22.520), but K/V rows
-    that come from the prefix cache and rows computed afresh differ in their last bits, which
-    bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on): with it an answer
-    would depend on what ran before. float16 is refused on the CPU (no fast float16 kernels); int8
-    (a quarter of float32's bytes plus a scale per token and head) on GPUs, whose Triton kernels
-    read float KV only."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    on_gpu = device.startswith("cuda")
-    if kv_dtype == "float16" and not on_gpu:
-        raise ValueError("engine.kv_dtype: float16 is for GPUs; on the CPU use bfloat16, int8 or float32")
-    if kv_dtype == "int8" and on_gpu:
-        raise ValueError("engine.kv_dtype: int8 runs on the CPU only; on a GPU use bfloat16, float16 or float32")
-    if kv_dtype == "auto":
-        return torch.bfloat16 if on_gpu else torch.float32
-    return getattr(torch, kv_dtype)
+    """The torch dtype of the ``engine.kv_dtype`` setting on ``device`` (engine_config.kv_dtype_name
+    says which, and why)."""
+    return getattr(torch, kv_dtype_name(kv_dtype, device))
 
 
 def _allocate(capacity_bytes: int, device: str):

@@ -8,6 +8,9 @@ least of the model's context length, the request's ``num_ctx``, the tokens the d
 can hold for this model and the tenant's ``kv_limit`` in tokens. A request that asks for more than
 the usable context leaves is clipped to it when ``clip`` is set (Ollama: generation just stops at
 the context) and refused otherwise (OpenAI, as vLLM, and the offline API).
+
+The errors the engine raises back across the boundary (RequestError, EngineFailed, KVCacheBusy) are
+here too, so that the API, in a supervisor process that never imports torch, can catch them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from gpushare.engine.sampling import SamplingParams
+from gpushare.engine.sampling_params import SamplingParams
 from gpushare.engine.tenants import DEFAULT_TENANT, PRIORITIES, TenantPolicy
 
 
@@ -26,6 +29,14 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str):
         super().__init__(message)
         self.field = field
+
+
+class EngineFailed(RuntimeError):
+    """The engine loop stopped after an internal error and takes no more requests."""
+
+
+class KVCacheBusy(RuntimeError):
+    """The blocks a request needs now are held by requests it may not preempt."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from gpushare.engine import constraints
 from gpushare.engine.request import GenerationRequest
 from gpushare.engine.sequence import RequestOutput, Sequence
-from gpushare.models.loader import LoadedModel
+from gpushare.models.model_head import LoadedModel
 
 
 def new_sequence(loaded: LoadedModel, request: GenerationRequest,

@@ -1,13 +1,16 @@
 """Sequence: one request's state inside the engine; RequestOutput: what its caller sees."""
 
+from __future__ import annotations
+
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+from gpushare.engine.sampling_params import SamplingParams, TokenLogprobs
 
-from gpushare.engine.sampling import SamplingParams, TokenLogprobs
+if TYPE_CHECKING:  # the supervisor builds and reads sequences' outputs without torch
+    import torch
 
 
 class Status(enum.Enum):

@@ -29,22 +29,13 @@ from torch import nn
 
 from gpushare.engine import shm_all_reduce
 from gpushare.engine.kv_pool import copy_block
+from gpushare.engine.worker_messages import GroupSpec
 from gpushare.models.llama import AttentionBatch
 
 log = logging.getLogger("gpushare.tensor_parallel")
 
 # Ranks wait for their next op without a deadline: a quiet daemon sends none for days.
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
-
-
-@dataclass
-class GroupSpec:
-    """One rank's place in its group (a WorkerSpec field)."""
-
-    rank: int
-    world_size: int
-    init_file: str  # torch.distributed's file rendezvous, fresh for each start of the group
-    devices: list[str]  # the group's devices in rank order, for logs and ps
 
 
 @dataclass

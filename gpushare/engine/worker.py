@@ -38,7 +38,7 @@ from gpushare.engine.test_hooks import install_test_stall
 from gpushare.engine.sequence import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
-from gpushare.models.tensor_parallel import rank_config, split_model, vocab_widths
+from gpushare.models.tensor_split import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
 

@@ -1,7 +1,7 @@
 """The typed messages between the supervisor and an engine worker process (engine/worker.py).
 
 They travel pickled over a multiprocessing Connection on a socket pair. Supervisor -> worker:
-the WorkerSpec once, then requests (Submit, Cancel, Embed), model moves (LoadModel,
+the WorkerSpec (with its GroupSpec on a tensor-parallel rank) once, then requests (Submit, Cancel, Embed), model moves (LoadModel,
 UnloadModel, DropWarm), settings (SetTenants, SetShareWeight) and Stop. Worker -> supervisor:
 Ready once, then Outputs (every output of one engine loop turn, in one message), Snapshot (the
 engine's state after that turn), Progress of a load and the Reply to each call.
@@ -16,7 +16,16 @@ from gpushare.engine.engine_stats import EngineSnapshot
 from gpushare.engine.request import EmbedRequest, GenerationRequest
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import TenantPolicy
-from gpushare.engine.tensor_parallel import GroupSpec
+
+
+@dataclass
+class GroupSpec:
+    """One rank's place in its tensor-parallel group (engine/tensor_parallel.py)."""
+
+    rank: int
+    world_size: int
+    init_file: str  # torch.distributed's file rendezvous, fresh for each start of the group
+    devices: list[str]  # the group's devices in rank order, for logs and ps
 
 
 @dataclass

@@ -8,19 +8,19 @@ a small model's shapes at batch 1 and takes a fraction of a second; its verdict 
 process and in a small file per CPU model and torch version (``$XDG_CACHE_HOME/gpushare`` or
 ``~/.cache/gpushare``; delete it to measure again), so that every process on the machine, the
 daemon and an offline ``LLM`` alike, loads a model in the same format and answers alike.
-``GPUSHARE_CPU_WEIGHTS=int8|float32`` overrides it.
+``GPUSHARE_CPU_WEIGHTS=int8|float32`` overrides it. torch is imported only to measure: the
+daemon's supervisor reads the kept verdict (``known_cpu_weights``) without loading it.
 """
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import platform
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger("gpushare.models")
 
@@ -42,26 +42,30 @@ def best_time_s(fn, reps: int = 20) -> float:
 @functools.cache
 def quantized_cpu_weights() -> str:
     """The faster format for a quantized file's weights on this CPU: "int8" or "float32"."""
+    return known_cpu_weights() or _keep(verdict_file("weights"), _measure())
+
+
+def known_cpu_weights() -> str | None:
+    """The override or this machine's kept verdict; None when neither exists yet (nothing measured)."""
     forced = os.environ.get("GPUSHARE_CPU_WEIGHTS")
     if forced in CHOICES:
         return forced
-    verdict = _verdict_file("weights")
     try:
-        known = verdict.read_text().strip()
-        if known in CHOICES:
-            return known
+        known = verdict_file("weights").read_text().strip()
     except OSError:
-        pass
-    return _keep(verdict, _measure())
+        return None
+    return known if known in CHOICES else None
 
 
-def _verdict_file(name: str) -> Path:
+def verdict_file(name: str) -> Path:
+    """Where this machine's verdict on ``name`` is kept: one file per CPU model and torch version."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
     except (OSError, StopIteration):
         pass
-    key = hashlib.sha256(f"{cpu.strip()}|{torch.__version__}".encode()).hexdigest()[:16]
+    # torch's version from its package metadata (the same string as torch.__version__), not torch
+    key = hashlib.sha256(f"{cpu.strip()}|{importlib.metadata.version('torch')}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpushare"
     return cache / f"cpu-kernel-{name}-{key}"
 
@@ -84,6 +88,8 @@ def _keep(verdict: Path, choice: str) -> str:
 
 
 def _measure() -> str:
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     totals = {"int8": 0.0, "float32": 0.0}
     for n, k in _SHAPES:

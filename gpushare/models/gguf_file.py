@@ -1,17 +1,14 @@
-"""Read a GGUF file: metadata, and tensors under Hugging Face names, dequantised to float32 or
-converted one by one into the model's weight format (gpushare.models.weight_format)."""
-
-import os
+"""Read a GGUF file's tensors under Hugging Face names, dequantised to float32 or converted one by
+one into the model's weight format (gpushare.models.weight_format). The header (metadata, tensor
+table) is gguf_reader.open_gguf's."""
 
 import numpy as np
 import torch
 
 from gpushare.models import weight_format
 from gpushare.models.dequant import dequantize
-from gpushare.models.gguf_reader import read_gguf_file
-from gpushare.models.quantized import int4_from_gguf, permute_rows
-
-GGUF_MAGIC = b"GGUF"
+from gpushare.models.gguf_reader import GGUFError
+from gpushare.models.quantized import int4_from_gguf, permute_rows, quantize
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -37,23 +34,6 @@ _GLOBAL_NAMES = {
     "rope_factors_long.weight": "rope_factors_long",
     "rope_factors_short.weight": "rope_factors_short",
 }
-
-
-class GGUFError(ValueError):
-    """The file is not a GGUF we can read; the message names the file and the problem."""
-
-
-def open_gguf(path: str) -> tuple[dict, list]:
-    """(metadata, tensors) of ``path``, turning any parse failure into a GGUFError naming the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file not found: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (bad magic)")
-    try:
-        return read_gguf_file(path)
-    except Exception as e:  # truncation shows up as struct, index or value errors
-        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
 def _hf_name(gguf_name: str, gate_up_fused: bool = False) -> str | None:
@@ -93,7 +73,7 @@ def _convert(tensor, name: str, shape: list[int], weights: str):
         exact = int4_from_gguf(tensor.data, tensor.tensor_type.name, shape)
         if exact is not None:
             return exact
-    return weight_format.quantize(name, _dense(tensor, shape), target)
+    return quantize(name, _dense(tensor, shape), target)
 
 
 def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,

@@ -1,4 +1,6 @@
-"""A small GGUF parser: metadata and tensor locations, with the tensor bytes memory-mapped.
+"""A small GGUF parser: metadata and tensor locations, with the tensor bytes memory-mapped
+(``open_gguf``: any failure a GGUFError naming the file). numpy only, no torch: the daemon's
+supervisor reads headers with it.
 
 gguf's own reader builds a numpy view per array element, which takes seconds on a 49k-token
 vocabulary; walking the header with ``struct`` takes a few hundred milliseconds.
@@ -8,6 +10,7 @@ are capped in number (a string or an empty array costs a few bytes of file but a
 and tensor sizes are computed exactly and checked against the file.
 """
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -85,6 +88,23 @@ class _Cursor:
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")
         return self.scalar(_SCALARS[kind])
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF we can read; the message names the file and the problem."""
+
+
+def open_gguf(path: str) -> tuple[dict, list["TensorInfo"]]:
+    """(metadata, tensors) of ``path``, turning any parse failure into a GGUFError naming the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        return read_gguf_file(path)
+    except Exception as e:  # truncation shows up as struct, index or value errors
+        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
 def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[dict, list[TensorInfo]]:

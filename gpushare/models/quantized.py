@@ -15,14 +15,17 @@ in ``gpushare.kernels`` take:
   rounding at all.
 """
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gpushare.models.dequant import k_scales, shifted
+from gpushare.models.weight_format import INT4_GROUP_SIZE
 
-INT4_GROUP_SIZE = 32  # GGUF's block: Q4_0/Q4_1 convert exactly at this size
+log = logging.getLogger("gpushare.models")
+
 
 
 @dataclass
@@ -81,6 +84,17 @@ def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Wei
     scales = ((hi - lo) / 15).clamp(min=1e-12)
     q = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
     return Int4Weight(_pack_nibbles(q), scales.contiguous(), lo.contiguous(), group_size)
+
+
+def quantize(name: str, dense: torch.Tensor, target: str) -> QuantizedWeight:
+    """``dense`` (the tensor ``name``) in the ``target`` format (weight_format.target_of); int4 falls
+    back to int8 (with a logged reason) for a matrix whose input size is not a multiple of the group size."""
+    if target == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
+        return quantize_int4(dense)
+    if target == "int4":
+        log.warning("%s: input size %d is not a multiple of %d: stored as int8 instead of int4",
+                    name, dense.shape[1], INT4_GROUP_SIZE)
+    return quantize_int8(dense)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -14,33 +14,45 @@ each device, and what becomes of each tensor as the file is read.
 ``auto``: on the CPU int8 for quantized sources where it measures faster than float32 on this
 CPU (cpu_kernels; float32 otherwise), float32 for dense ones; on CUDA int4 for 4-bit sources,
 int8 for other quantized ones, bfloat16 for dense ones.
+
+Torch-free: the daemon's supervisor plans memory with ``planned_weights``, which never measures
+(the process that loads the model, an engine worker, resolves for real with ``resolve_weights``);
+``models/quantized.quantize`` converts the tensors.
 """
 
-import logging
+from typing import Callable
 
-import torch
+from gpushare.models.cpu_kernels import known_cpu_weights, quantized_cpu_weights
 
-from gpushare.models.cpu_kernels import quantized_cpu_weights
-from gpushare.models.quantized import INT4_GROUP_SIZE, quantize_int4, quantize_int8
-
-log = logging.getLogger("gpushare.models")
-
+INT4_GROUP_SIZE = 32  # GGUF's block: Q4_0/Q4_1 convert exactly at this size
 WEIGHT_FORMATS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")
-DENSE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DENSE_GGUF_TYPES = {"F32", "F16", "BF16"}
 _OUTPUT_MATRICES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def resolve_weights(setting: str, device: str, source_types: set[str]) -> str:
     """The concrete format for a model whose linear weights are stored as ``source_types``
-    (GGUF type names, or torch dtype names for safetensors)."""
+    (GGUF type names, or torch dtype names for safetensors). On the CPU ``auto`` may time the
+    kernels once per machine (cpu_kernels.quantized_cpu_weights): for the process that loads."""
+    return _resolve(setting, device, source_types, quantized_cpu_weights)
+
+
+def planned_weights(setting: str, device: str, source_types: set[str]) -> str:
+    """``resolve_weights`` without timing anything, for the supervisor's size estimates and listings:
+    on the CPU ``auto`` takes this machine's kept verdict when there is one, else int8 for a quantized
+    source. A wrong guess costs only the first estimate: the registry replaces it with the loaded
+    model's real size, and the worker, which resolves for real, keeps the verdict for next time."""
+    return _resolve(setting, device, source_types, lambda: known_cpu_weights() or "int8")
+
+
+def _resolve(setting: str, device: str, source_types: set[str], cpu_quantized: Callable[[], str]) -> str:
     if setting not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {setting!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if setting != "auto":
         return setting
     quantized = bool(source_types - _DENSE_GGUF_TYPES - {"float32", "bfloat16", "float16"})
     if not device.startswith("cuda"):
-        return quantized_cpu_weights() if quantized else "float32"
+        return cpu_quantized() if quantized else "float32"
     if quantized and all(t.startswith(("Q4", "IQ4")) for t in source_types - _DENSE_GGUF_TYPES):
         return "int4"
     return "int8" if quantized else "bfloat16"
@@ -55,14 +67,3 @@ def target_of(name: str, weights: str) -> str | None:
     if name.endswith("_proj.weight"):
         return weights
     return None
-
-
-def quantize(name: str, dense: torch.Tensor, target: str):
-    """``dense`` in the ``target`` format; int4 falls back to int8 (with a logged reason) for a
-    matrix whose input size is not a multiple of the group size."""
-    if target == "int4" and dense.shape[1] % INT4_GROUP_SIZE == 0:
-        return quantize_int4(dense)
-    if target == "int4":
-        log.warning("%s: input size %d is not a multiple of %d: stored as int8 instead of int4",
-                    name, dense.shape[1], INT4_GROUP_SIZE)
-    return quantize_int8(dense)

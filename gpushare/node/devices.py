@@ -101,6 +101,10 @@ class WorkerPlanSet:
                              f"(workers: {', '.join(w.name for w in self.workers)})")
         return found[0]
 
+    def memory_total_bytes(self) -> dict[str, int]:
+        """Each GPU or MIG worker's device memory (NVML's), by worker name."""
+        return {w.name: w.memory_total_bytes for w in self.workers if w.memory_total_bytes is not None}
+
 
 def plan_workers(devices: list[str] | None, report: NvmlReport, topology: Topology,
                  node: NodeSettings | None = None, allowed_cpus: list[int] | None = None,

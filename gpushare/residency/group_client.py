@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from gpushare.models.loader import LoadedModel
+from gpushare.models.model_head import LoadedModel
 from gpushare.residency.worker_client import WorkerClient, WorkerDied
 
 

@@ -16,8 +16,6 @@ import os
 import struct
 from dataclasses import dataclass
 
-import torch
-
 DEFAULT_GPU_BUDGET_FRACTION = 0.9  # of the device's memory: the CUDA context and allocator slack need the rest
 DEFAULT_CPU_BUDGET_FRACTION = 0.8  # of the host RAM available at start
 
@@ -38,7 +36,7 @@ def _read_exact(f, n: int) -> bytes:
 
 def count_gguf_tensors(path: str) -> TensorCount:
     """Element counts from a GGUF's tensor table (no tensor data is read)."""
-    from gpushare.models.gguf_file import open_gguf
+    from gpushare.models.gguf_reader import open_gguf
 
     _, tensors = open_gguf(path)
     elements = {t.name: math.prod(t.shape) for t in tensors}
@@ -71,6 +69,7 @@ def count_tensors(path: str) -> TensorCount:
 # bytes per weight of the quantized formats, scales included: int4 keeps two float32 numbers per
 # group of 32 (0.25 bytes a weight) and its output matrix in int8
 _QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.8}
+_DENSE_BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def estimate_weight_bytes(count: TensorCount, weights: str) -> int:
@@ -80,16 +79,22 @@ def estimate_weight_bytes(count: TensorCount, weights: str) -> int:
     back. Quantized: one tied copy serves both."""
     if weights in _QUANTIZED_BYTES_PER_WEIGHT:
         return int(count.parameters * _QUANTIZED_BYTES_PER_WEIGHT[weights])
-    element_bytes = torch.empty((), dtype=getattr(torch, weights)).element_size()
-    return (count.parameters + count.tied_embedding) * element_bytes
+    return (count.parameters + count.tied_embedding) * _DENSE_BYTES_PER_WEIGHT[weights]
 
 
-def default_budget_bytes(device: str, host_cache_bytes: int) -> int:
+def default_budget_bytes(device: str, host_cache_bytes: int, memory_total_bytes: int | None = None) -> int:
     """memory.budget when the config leaves it out: 90% of the GPU's memory; on the CPU 80% of
-    the RAM available now, less the warm tier (which lives in the same RAM; at most half)."""
+    the RAM available now, less the warm tier (which lives in the same RAM; at most half).
+
+    A GPU's memory is ``memory_total_bytes`` (NVML's, from the worker plan) when given: the daemon's
+    supervisor never loads torch. An engine in this process (engine.isolation: thread, the offline
+    tools) asks CUDA."""
     if device.startswith("cuda"):
-        _, total = torch.cuda.mem_get_info(torch.device(device))
-        return int(total * DEFAULT_GPU_BUDGET_FRACTION)
+        if memory_total_bytes is None:
+            import torch
+
+            _, memory_total_bytes = torch.cuda.mem_get_info(torch.device(device))
+        return int(memory_total_bytes * DEFAULT_GPU_BUDGET_FRACTION)
     import psutil
 
     usable = int(psutil.virtual_memory().available * DEFAULT_CPU_BUDGET_FRACTION)

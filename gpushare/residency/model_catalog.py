@@ -144,7 +144,7 @@ class ModelDescription:
     model_info: dict  # GGUF-style keys: general.architecture, <arch>.context_length, ...
     template: str | None
     context_length: int
-    source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.resolve_weights)
+    source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.planned_weights)
 
 
 def describe_model(config, template: str | None, info: dict, parameter_count: int | None) -> ModelDescription:
@@ -175,7 +175,7 @@ def _size_label(count: int) -> str:
 
 def describe_files(path: str) -> ModelDescription:
     """Read only what describes the model (no weights); a GGUF takes a few seconds: cache it."""
-    from gpushare.models.loader import read_model_info
+    from gpushare.models.model_head import read_model_info
 
     config, template, info = read_model_info(path)
     return describe_model(config, template, info, None)

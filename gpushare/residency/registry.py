@@ -31,7 +31,7 @@ from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, M
                                            describe_files, describe_model, model_sources)
 from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
 from gpushare.model_options import ModelPreset
-from gpushare.models.weight_format import resolve_weights
+from gpushare.models.weight_format import planned_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
@@ -62,9 +62,11 @@ class Lease:
 
 
 class Registry:
-    def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None):
+    def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None,
+                 memory_total_bytes: dict[str, int] | None = None):
         """`devices`: name -> device (residency/devices.py); `find_device`: a models[].device as written ->
-        the name of its device."""
+        the name of its device; `memory_total_bytes`: a GPU device's name -> its memory (the worker plan's,
+        from NVML), for the default budget."""
         self.devices = devices
         self.dtype = dtype
         self.residency = Residency(devices, dtype=dtype, weights=settings.engine.weights, on_loaded=self._on_loaded,
@@ -73,10 +75,12 @@ class Registry:
         self._background: set[asyncio.Task] = set()
         # Measured once, at start: later the loaded models themselves would shrink "available". Devices
         # that share host RAM (CPU engines) split it; a tensor-parallel group's ranks run on those devices.
-        kinds = [d.config.device for d in devices.values() if d.world_size == 1]
-        cpu_devices = max(1, kinds.count("cpu"))
-        self._default_budget_bytes = min(default_budget_bytes(kind, settings.memory.host_cache_bytes)
-                                         // (cpu_devices if kind == "cpu" else 1) for kind in kinds)
+        memory_total_bytes = memory_total_bytes or {}
+        kinds = {name: d.config.device for name, d in devices.items() if d.world_size == 1}
+        cpu_devices = max(1, list(kinds.values()).count("cpu"))
+        self._default_budget_bytes = min(
+            default_budget_bytes(kind, settings.memory.host_cache_bytes, memory_total_bytes.get(name))
+            // (cpu_devices if kind == "cpu" else 1) for name, kind in kinds.items())
         self._apply_limits(settings)
 
     @property
@@ -160,7 +164,7 @@ class Registry:
         if entry is not None:
             return entry.model.weights
         desc = await self.describe(name)
-        return resolve_weights(self.residency.weights_of(source), self.device_kind, set(desc.source_types))
+        return planned_weights(self.residency.weights_of(source), self.device_kind, set(desc.source_types))
 
     # ------------------------------------------------------------------ create / remove
 

@@ -31,7 +31,7 @@ from gpushare.engine import worker_messages as m
 from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.sequence import RequestOutput
 from gpushare.engine.tenants import TenantPolicy
-from gpushare.models.loader import LoadedModel, load_model_head
+from gpushare.models.model_head import LoadedModel, load_model_head
 
 log = logging.getLogger("gpushare.workers")
 

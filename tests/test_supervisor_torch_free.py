@@ -1,0 +1,65 @@
+"""The daemon's supervisor never loads torch (engine.isolation: process, the default).
+
+Engines and their torch live in the worker processes; the supervisor (HTTP, tokenising, chat
+templates, JSON schemas, the registry, placement) must not pay torch's ~200 MiB of resident memory:
+with it the idle daemon held 2.6x llama-server's memory (benchmarks/memory.py).
+"""
+
+import subprocess
+import sys
+
+import pytest
+from daemon_fixture import MODEL, http, serving
+
+SUPERVISOR_RSS_LIMIT_BYTES = 160 << 20  # measured 91 MiB after these requests; 272 MiB with torch loaded
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_the_daemon_modules_import_without_torch():
+    code = ("import sys, gpushare.daemon, gpushare.api.app, gpushare.cli; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'llguidance.torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, smollm2_path):
+    with serving(tmp_path_factory.mktemp("torch_free"), smollm2_path) as d:
+        yield d
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1].rsplit("/", 1)[-1] for line in f if "/" in line}
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_serving_supervisor_maps_no_torch(daemon):
+    """After answers with logprobs, a JSON schema, embeddings, an OpenAI chat and /api/show have
+    crossed the supervisor, it still maps no libtorch; its engine worker does."""
+    url = daemon.url
+    greedy = {"temperature": 0, "num_predict": 8}
+    status, body, _ = http("POST", url + "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                                           "logprobs": True, "top_logprobs": 2, "options": greedy})
+    assert status == 200 and body["logprobs"], body
+    status, body, _ = http("POST", url + "/api/chat", {"model": MODEL, "stream": False, "format": PERSON,
+                                                       "messages": [{"role": "user", "content": "A person?"}],
+                                                       "options": {"temperature": 0, "num_predict": 40}})
+    assert status == 200, body
+    status, body, _ = http("POST", url + "/api/embed", {"model": MODEL, "input": ["a cat", "a dog"]})
+    assert status == 200 and len(body["embeddings"]) == 2, body
+    status, body, _ = http("POST", url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True})
+    assert status == 200, body
+    assert http("POST", url + "/api/show", {"model": MODEL, "verbose": True})[0] == 200
+
+    supervisor = mapped_libraries(daemon.proc.pid)
+    assert not {lib for lib in supervisor if lib.startswith("libtorch")}, sorted(supervisor)
+    worker_pid = daemon.loaded()[MODEL]["worker_pid"]
+    assert any(lib.startswith("libtorch") for lib in mapped_libraries(worker_pid))  # the check can see torch
+    assert rss_bytes(daemon.proc.pid) < SUPERVISOR_RSS_LIMIT_BYTES
