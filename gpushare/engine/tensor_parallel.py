@@ -99,30 +99,19 @@ def join_group(spec: GroupSpec, device: str) -> None:
             _group.shm.unlink()
     log.info("rank %d of %d joined its group (%s) over %s, all-reduce %s", spec.rank, spec.world_size,
              ", ".join(spec.devices), "nccl" if on_gpu else "gloo",
-             "in shared memory" if _group.shm else "nccl" if on_gpu else "by gloo exchange")
+             "in shared memory" if _group.shm else "by torch.distributed")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of ``x`` over the ranks, in place; bit for bit the same on every rank.
 
-    GPUs: NCCL. CPU ranks: through shared memory (shm_all_reduce.py: microseconds, where gloo takes
-    0.5-1.2 ms a call on a 2-core machine and a step makes two per layer); where that cannot run,
-    each rank sends its part to every other over gloo and adds them all in rank order.
+    CPU ranks: through shared memory (shm_all_reduce.py: microseconds, where gloo's all_reduce
+    takes 0.5-1.5 ms a call on a 2-core machine and a step makes two per layer). GPUs, and CPUs
+    where that cannot run: torch.distributed's all_reduce (NCCL, gloo).
     """
     if _group.shm is not None:
         return _group.shm(x)
-    if _group.ops is not None:
-        dist.all_reduce(x)
-        return x
-    parts = [x if r == _group.rank else torch.empty_like(x) for r in range(_group.world_size)]
-    pending = [dist.isend(x, r) for r in range(_group.world_size) if r != _group.rank]
-    pending += [dist.irecv(parts[r], r) for r in range(_group.world_size) if r != _group.rank]
-    for work in pending:
-        work.wait()
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    x.copy_(total)
+    dist.all_reduce(x)
     return x
 
 
@@ -189,8 +178,6 @@ class LeaderModel(nn.Module):
         self.name = name
         self.inner = inner
         self.vocab_widths = vocab_widths  # each rank's slice of lm_head
-        self.config = inner.config
-        self.layers = inner.layers
 
     def start(self, input_ids, positions, batch: AttentionBatch):
         broadcast_op(Forward(self.name, input_ids, positions, batch))
