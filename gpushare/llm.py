@@ -4,6 +4,7 @@ import threading
 from dataclasses import dataclass
 
 from gpushare.engine.engine import Engine, EngineConfig
+from gpushare.engine.passing_threads import in_passing_thread
 from gpushare.engine.sampling_params import SamplingParams
 from gpushare.models.loader import load_model
 
@@ -31,7 +32,9 @@ class LLM:
         """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int8
         for a quantized GGUF on the CPU); ``kv_dtype``: the KV cache's (``auto``: float32 on the CPU).
         ``weights="float32"`` with ``dtype="float32"`` is the exact path."""
-        self.model = load_model(model, dtype=dtype, device=device, weights=weights)
+        # loaded in a thread that ends, so that its OpenMP team does not slow the engine's (passing_threads.py)
+        self.model = in_passing_thread(lambda: load_model(model, dtype=dtype, device=device,
+                                                          weights=weights)).result()
         self.model_name = model
         self.engine = Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           block_size=block_size, num_threads=num_threads, device=device,

@@ -5,8 +5,8 @@ with its device's environment (CUDA_VISIBLE_DEVICES, MPS) already set, so CUDA s
 MIG instance. FD is its end of a socket pair; the first message is the WorkerSpec.
 
 Threads: the main thread reads messages and hands them to the engine (submits and cancels go
-straight to its inbox); one loader thread loads and unloads models in order, so a long load never
-holds up requests; one sender thread writes everything going back, coalescing what piled up
+straight to its inbox); loads and unloads run in order, each in a thread that ends with it
+(passing_threads.py), so a long load never holds up requests; one sender thread writes everything going back, coalescing what piled up
 (outputs of several turns into one message, only the newest snapshot). The engine thread calls
 ``on_output``/``on_snapshot``, which only queue. The process ends when the supervisor says Stop
 or its socket closes (the supervisor is gone): a worker never outlives its daemon.
@@ -24,7 +24,6 @@ import os
 import queue
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from gpushare.engine import worker_messages as m
 from gpushare.engine.engine import Engine
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
+from gpushare.engine.passing_threads import PassingThreads
 from gpushare.engine.tensor_parallel import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
                                              use_all_reduce)
 from gpushare.engine.test_hooks import install_test_stall
@@ -107,7 +107,7 @@ class WorkerHost:
         self.spec = spec
         self.warm: dict[tuple, object] = {}  # warm key -> LoadedModel, weights in host memory
         self.loaded: dict = {}  # name -> LoadedModel
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="gpushare-worker-load")
+        self._loader = PassingThreads("gpushare-worker-load")  # their OpenMP teams end with them
         engine.on_snapshot = lambda snapshot: outbox.put(m.Snapshot(snapshot))
 
     def exit_when_failed(self) -> None:
@@ -217,7 +217,7 @@ class FollowerHost:
         self.follower = Follower(DeviceKVPool(config.kv_cache_bytes, config.device, config.kv_slab_blocks))
         self.warm: dict[tuple, object] = {}
         self.loaded: dict = {}
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="gpushare-worker-load")
+        self._loader = PassingThreads("gpushare-worker-load")  # their OpenMP teams end with them
 
     def run_ops(self) -> None:
         """Thread "gpushare-rank": pinned as an engine thread, it runs the group's ops until the group ends."""

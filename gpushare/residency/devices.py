@@ -10,6 +10,7 @@ tenant_policies, set_share_weight, snapshot, alive, failure, last_tick_s) and th
 
 from __future__ import annotations
 
+from gpushare.engine.passing_threads import in_passing_thread
 from gpushare.models.host_copy import to_device, to_host
 
 
@@ -20,7 +21,8 @@ def default_loader(path: str, dtype: str, device: str, progress, weights: str = 
 
 
 class LocalDevice:
-    """An Engine in this process, plus loading model files into it (on the caller's thread)."""
+    """An Engine in this process, plus loading model files into it (blocking the caller; the torch work
+    runs in a thread that ends with it, engine/passing_threads.py)."""
 
     pid = None
     world_size = 1
@@ -41,15 +43,17 @@ class LocalDevice:
              warm_key: tuple):
         """(the LoadedModel, its weight bytes, whether it came warm). Blocking."""
         device = self.engine.config.device
-        model = to_device(warm, device) if warm is not None else self._loader(path, dtype, device, progress,
-                                                                               weights=weights)
+        if warm is not None:
+            model = in_passing_thread(to_device, warm, device).result()
+        else:
+            model = in_passing_thread(lambda: self._loader(path, dtype, device, progress, weights=weights)).result()
         self.engine.add_model(name, model, share_weight=share_weight)
         return model, model.weight_bytes, warm is not None
 
     def unload(self, name: str, model, warm_key: tuple | None):
         """What the warm tier keeps of the model (it, in host memory), or None. Blocking."""
         self.engine.remove_model(name)
-        return to_host(model) if warm_key is not None else None
+        return in_passing_thread(to_host, model).result() if warm_key is not None else None
 
     def drop_warm(self, warm_key: tuple) -> None:
         """The warm tier holds the model itself: letting go of it is all there is to do."""
