@@ -1,13 +1,18 @@
 """Device kernels behind one dispatch point: paged attention and weight-only quantized matmul.
 
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
-forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); the torch path runs otherwise.
+forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU decode attention runs the
+C++ kernel (cpu_ops.py) where it builds, and the torch path runs otherwise (or with
+``GPUSHARE_KERNELS=torch``).
 Nothing above this package knows which one ran.
 """
 
 import importlib
 import os
 
+import torch
+
+from gpushare.kernels import cpu_ops as _cpu_ops
 from gpushare.kernels import paged_attention_torch as _attention_torch
 from gpushare.kernels import quant_matmul_torch as _quant_torch
 
@@ -30,8 +35,28 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     return _ops(key, _attention_torch).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _cpp_attention(q, k_cache) -> bool:
+    """The C++ kernel (cpu_ops.py) takes float32 queries over a float32 or int8 cache on the CPU."""
+    if q.is_cuda or q.dtype != torch.float32:
+        return False
+    cache_dtype = k_cache.data.dtype if isinstance(k_cache, _attention_torch.Int8KV) else k_cache.dtype
+    return cache_dtype in (torch.float32, torch.int8) and _cpu_ops.loaded()
+
+
+def prepare_cpu() -> None:
+    """Build (once per machine) and load the CPU's C++ kernels now rather than at first use."""
+    _cpu_ops.loaded()
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
     """``window`` > 0: a sliding window of that many tokens; ``softcap`` > 0: tanh-capped scores."""
+    if _cpp_attention(q, k_cache):
+        if isinstance(k_cache, _attention_torch.Int8KV):
+            k_cache, k_scale, v_cache, v_scale = k_cache.data, k_cache.scale, v_cache.data, v_cache.scale
+        else:
+            k_scale = v_scale = None
+        return torch.ops.gpushare.decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                   scale, window or 0, softcap or 0.0)
     return _ops(q, _attention_torch).decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                       window, softcap)
 

@@ -17,8 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton 
 import pytest
 import torch
 
-from gpushare.kernels import paged_attention_torch
+from gpushare.kernels import cpu_ops, paged_attention_torch
 from gpushare.kernels import paged_attention_triton
+from gpushare.kernels.paged_attention_torch import Int8KV
 
 NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -27,6 +28,22 @@ IMPLS = [pytest.param(paged_attention_triton, id="triton"), pytest.param(paged_a
 # (block_size, head_dim): both block sizes, both head dims.
 LAYOUTS = [pytest.param(16, 64, id="bs16-d64"), pytest.param(32, 128, id="bs32-d128")]
 GROUPS = [pytest.param(g, id=f"gqa{g}") for g in (1, 3, 8)]
+
+
+class CppDecode:
+    """The CPU's C++ decode attention (kernels/cpu_attention.cpp, float32 queries) with the torch
+    path's signature, so the shared checks can call it."""
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+        if cpu_ops._compiler() is None:
+            pytest.skip("no C++ compiler here: the CPU runs the torch path")
+        assert cpu_ops.loaded(), "the C++ kernels did not build (see the log)"
+        k_scale = v_scale = None
+        if isinstance(k_cache, Int8KV):
+            k_cache, k_scale, v_cache, v_scale = k_cache.data, k_cache.scale, v_cache.data, v_cache.scale
+        return torch.ops.gpushare.decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                   scale, window, softcap)
 
 
 def ragged_lengths(gen, count, block_size, low, high):

@@ -1,5 +1,5 @@
-"""Sliding windows and soft-capped scores in both paged-attention paths (Triton under its
-interpreter, and torch) against a float64 reference.
+"""Sliding windows and soft-capped scores in the paged-attention paths (Triton under its
+interpreter, torch, and for decode the CPU's C++ kernel) against a float64 reference.
 
 Table entries of blocks wholly before every query's window are set to -1, as the engine leaves
 them once it has freed those blocks: a kernel that still reads them fails (an index error in
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from gpushare.kernels import paged_attention_torch, paged_attention_triton
-from test_kernels import NUM_KV_HEADS, assert_close, cached_rows, paged_cache
+from test_kernels import NUM_KV_HEADS, CppDecode, assert_close, cached_rows, paged_cache
 
 IMPLS = [pytest.param(paged_attention_triton, id="triton"), pytest.param(paged_attention_torch, id="torch")]
+DECODE_IMPLS = IMPLS + [pytest.param(CppDecode, id="cpp")]
 FREED = -1
 
 
@@ -42,7 +43,7 @@ def free_out_of_window(block_tables, first_keys, block_size):
 
 
 @pytest.mark.usefixtures("nan_allocations")
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
 @pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_decode_attends_to_its_window_only(impl, softcap, group, monkeypatch):

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from gpushare import kernels
 from gpushare.models.config import config_from_gguf, config_from_hf
 from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
@@ -107,6 +108,8 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
         config = rank_config(config, part)
     model = build_model(config, state, torch_dtype, device, DTYPES.get(info["weights"]))
     del state
+    if device == "cpu":
+        kernels.prepare_cpu()  # a first build here, not in the first request's decode step
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
                        whole_config=whole_config if tensor_parallel is not None else None)
