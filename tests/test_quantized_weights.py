@@ -9,7 +9,7 @@ import torch
 
 from gpushare import LLM, SamplingParams
 from gpushare.config import ConfigError, parse_settings
-from gpushare.models.cpu_kernels import known_cpu_weights, quantized_cpu_weights, verdict_file
+from gpushare.models.cpu_kernels import known_cpu_weights, quantized_cpu_weights, verdict_file, wide_int8_kernel
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
 from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
@@ -117,6 +117,50 @@ def test_quantized_linears_compute_each_row_alone(weights):
         together = linear(x)
         for rows in (1, 7, 16):
             assert torch.equal(linear(x[:rows]), together[:rows])
+
+
+@pytest.fixture
+def wide_int8(monkeypatch):
+    """int8 linears compute wide prefill chunks on dequantized bfloat16 weights, whatever this CPU's verdict."""
+    monkeypatch.setenv("GPUSHARE_CPU_WIDE_INT8", "bfloat16")
+    wide_int8_kernel.cache_clear()
+    yield
+    wide_int8_kernel.cache_clear()
+
+
+@pytest.mark.usefixtures("wide_int8")
+def test_wide_int8_rows_do_not_depend_on_their_neighbours(monkeypatch):
+    """Rows of wide prefill chunks: the same bits whatever rows come with them, tiled or not, close to the
+    float32 product; the rows after them exactly the decode kernel's."""
+    from gpushare.models import linear as linear_module
+
+    gen = torch.Generator().manual_seed(1)
+    linear = linear_module.Linear(576, 3072, bias=False)
+    weight = torch.randn(3072, 576, generator=gen) / 50
+    linear.set_quantized(quantize("int8.weight", weight, "int8"), "cpu")
+    x = torch.randn(300, 576, generator=gen)
+    together = linear(x, wide_rows=200)
+    assert torch.equal(linear(x[:80], wide_rows=80), together[:80])
+    assert torch.equal(linear(x[:200], wide_rows=200), together[:200])
+    assert torch.equal(linear(x[200:]), together[200:])  # the decode kernel's rows, as alone
+    reference = x[:200] @ linear.qweight.float().mul(linear.scales[:, None]).T
+    assert ((together[:200] - reference).abs().max() / reference.abs().max()).item() < 2e-2
+    monkeypatch.setattr(linear_module, "WIDE_TILE_ELEMENTS", 576 * 1000)  # three tiles and a short one
+    torch.testing.assert_close(linear(x, wide_rows=200), together, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("wide_int8")
+def test_long_prompts_answer_the_same_alone_and_among_neighbours(smollm2_path):
+    long_prompt = "Summarise this: " + " ".join(PROMPTS * 3)  # ~120 tokens: a wide chunk
+    llm = LLM(smollm2_path, weights="int8", num_threads=2, enable_prefix_caching=False)
+    try:
+        alone = llm.chat([[{"role": "user", "content": long_prompt}]], greedy(24))[0].token_ids
+        convs = [[{"role": "user", "content": long_prompt}]] + [
+            [{"role": "user", "content": p if i % 2 else p + " " + long_prompt}] for i, p in enumerate(PROMPTS[1:])]
+        batched = llm.chat(convs, greedy(24))
+    finally:
+        llm.shutdown()
+    assert batched[0].token_ids == alone
 
 
 @pytest.mark.parametrize("weights", ["auto", "int4", "float32"])

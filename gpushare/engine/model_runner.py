@@ -13,6 +13,7 @@ from gpushare.engine.kv_pool import copy_block
 from gpushare.engine.sampling import prompt_logprobs, sample_batch
 from gpushare.engine.sampling_params import SamplingFailure
 from gpushare.engine.scheduler import Batch
+from gpushare.models.cpu_kernels import WIDE_CHUNK_TOKENS
 from gpushare.models.llama import AttentionBatch, ForwardState
 from gpushare.models.model_head import LoadedModel
 
@@ -40,9 +41,11 @@ class ModelRunner:
         self.kv_caches = kv_caches  # per layer (K, V) views into the device KV pool (kv_pool.layer_views)
 
     def _inputs(self, seqs, chunks):
-        """Token ids, positions and attention layout; prefill chunks first, then single tokens."""
+        """Token ids, positions and attention layout: wide prefill chunks first, then the other prefill
+        chunks, then single tokens."""
         bs = self.pool.block_size
-        order = sorted(range(len(seqs)), key=lambda i: chunks[i] == 1)
+        order = sorted(range(len(seqs)),
+                       key=lambda i: 0 if chunks[i] >= WIDE_CHUNK_TOKENS else 1 if chunks[i] > 1 else 2)
         ids, positions, slots = [], [], []
         prefill_tables, cu_seqlens, prefill_lens, decode_tables, decode_lens = [], [0], [], [], []
         last_rows = {}
@@ -70,6 +73,7 @@ class ModelRunner:
             prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
             decode_block_tables=_padded(decode_tables, dev),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            wide_rows=sum(c for c in chunks if c >= WIDE_CHUNK_TOKENS),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), batch, last_rows

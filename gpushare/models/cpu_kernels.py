@@ -25,6 +25,9 @@ from pathlib import Path
 log = logging.getLogger("gpushare.models")
 
 CHOICES = ("int8", "float32")
+WIDE_CHOICES = ("bfloat16", "int8pack")
+WIDE_CHUNK_TOKENS = 64  # a prefill chunk this long is "wide": see wide_int8_kernel
+_WIDE_MEASURE_ROWS = 128  # near WIDE_CHUNK_TOKENS the two paths are even here, and timings too noisy to tell
 _SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # (out, in): a small model's qkv, gate_up, down
 
 
@@ -43,6 +46,25 @@ def best_time_s(fn, reps: int = 20) -> float:
 def quantized_cpu_weights() -> str:
     """The faster format for a quantized file's weights on this CPU: "int8" or "float32"."""
     return known_cpu_weights() or _keep(verdict_file("weights"), _measure())
+
+
+@functools.cache
+def wide_int8_kernel() -> str:
+    """How int8 linears compute the rows of wide prefill chunks on this CPU: "bfloat16" (the weight
+    dequantized to bfloat16 at each call, then a bfloat16 GEMM) or "int8pack" (the decode kernel).
+    ``_weight_int8pack_mm`` is the fastest at a few rows but falls behind as rows grow (measured on an
+    AVX-512 bf16 CPU, one layer's linears at 1,024 rows: 24.8 ms against 9.0 ms dequantized); where
+    bfloat16 is emulated the dequantized path may lose, hence the measurement (at 128 rows; at 64 the
+    two are even here). Kept like the weights verdict; ``GPUSHARE_CPU_WIDE_INT8`` overrides it."""
+    forced = os.environ.get("GPUSHARE_CPU_WIDE_INT8")
+    if forced in WIDE_CHOICES:
+        return forced
+    verdict = verdict_file("wide-int8")
+    try:
+        known = verdict.read_text().strip()
+    except OSError:
+        known = None
+    return known if known in WIDE_CHOICES else _keep(verdict, _measure_wide())
 
 
 def known_cpu_weights() -> str | None:
@@ -103,4 +125,26 @@ def _measure() -> str:
     choice = min(totals, key=totals.get)
     log.info("CPU weights for quantized files: %s (batch-1 linears: %s)", choice,
              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
+    return choice
+
+
+def _measure_wide() -> str:
+    import torch
+
+    from gpushare.models.linear import Linear
+    from gpushare.models.quantized import Int8Weight
+
+    gen = torch.Generator().manual_seed(0)
+    totals = {"bfloat16": 0.0, "int8pack": 0.0}
+    for n, k in _SHAPES:
+        linear = Linear(k, n, bias=False)
+        linear.set_quantized(Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                                        torch.rand(n, generator=gen) / 1000), "cpu")
+        x = torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16()
+        totals["bfloat16"] += best_time_s(lambda: linear._int8_wide(x, _WIDE_MEASURE_ROWS))
+        totals["int8pack"] += best_time_s(lambda: torch.ops.aten._weight_int8pack_mm(x, linear.qweight,
+                                                                                    linear.scales_bf16))
+    choice = min(totals, key=totals.get)
+    log.info("int8 linears over prefill chunks of %d+ tokens: %s (at %d rows: %s)", WIDE_CHUNK_TOKENS, choice,
+             _WIDE_MEASURE_ROWS, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
     return choice

@@ -28,6 +28,7 @@ class AttentionBatch:
     prefill_context_lens: torch.Tensor  # [P] int32, chunk included
     decode_block_tables: torch.Tensor   # [D, W] int32
     decode_context_lens: torch.Tensor   # [D] int32, current token included
+    wide_rows: int = 0                  # rows [0, wide_rows): wide prefill chunks (Linear.forward)
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, batch.wide_rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -151,7 +152,7 @@ class Attention(nn.Module):
             parts.append(kernels.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
                                                   batch.decode_context_lens, self.scale, self.window, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows)
 
 
 class MLP(nn.Module):
@@ -161,13 +162,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = config.hidden_act
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x, wide_rows: int = 0):
+        gate, up = self.gate_up_proj(x, wide_rows).chunk(2, dim=-1)
         if self.act == "silu":
             gate = F.silu(gate)
         else:
             gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
-        return self.down_proj(gate * up)
+        return self.down_proj(gate * up, wide_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +193,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norm:
             h = self.attn_output_norm(h)
         x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp(self.post_attention_layernorm(x), state.batch.wide_rows)
         if self.reduce is not None:
             h = self.reduce(h)
         if self.sandwich_norm:

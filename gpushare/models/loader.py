@@ -10,6 +10,7 @@ import torch
 
 from gpushare import kernels
 from gpushare.models.config import config_from_gguf, config_from_hf
+from gpushare.models.cpu_kernels import wide_int8_kernel
 from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
@@ -108,8 +109,10 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
         config = rank_config(config, part)
     model = build_model(config, state, torch_dtype, device, DTYPES.get(info["weights"]))
     del state
-    if device == "cpu":
-        kernels.prepare_cpu()  # a first build here, not in the first request's decode step
+    if device == "cpu":  # measured or built here, not in the first request's step
+        kernels.prepare_cpu()
+        if info["weights"] == "int8":
+            wide_int8_kernel()
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
                        whole_config=whole_config if tensor_parallel is not None else None)
