@@ -2,8 +2,8 @@
 
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
 forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU decode attention runs the
-C++ kernel (cpu_ops.py) where it builds, and the torch path runs otherwise (or with
-``GPUSHARE_KERNELS=torch``).
+C++ kernel (cpu_ops.py) where it builds, as do RMSNorm and RoPE with the cache write on float32
+rows, and the torch path runs otherwise (or with ``GPUSHARE_KERNELS=torch``).
 Nothing above this package knows which one ran.
 """
 
@@ -11,6 +11,7 @@ import importlib
 import os
 
 import torch
+import torch.nn.functional as F
 
 from gpushare.kernels import cpu_ops as _cpu_ops
 from gpushare.kernels import paged_attention_torch as _attention_torch
@@ -41,6 +42,37 @@ def _cpp_attention(q, k_cache) -> bool:
         return False
     cache_dtype = k_cache.data.dtype if isinstance(k_cache, _attention_torch.Int8KV) else k_cache.dtype
     return cache_dtype in (torch.float32, torch.int8) and _cpu_ops.loaded()
+
+
+def _cpp_float32(x) -> bool:
+    return not x.is_cuda and x.dtype == torch.float32 and _cpu_ops.loaded()
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """``(RMSNorm(x + residual), x + residual)`` (without ``residual``: of ``x``, and ``x``): one C++ call
+    for float32 rows on the CPU, torch's otherwise."""
+    if x.dim() == 2 and _cpp_float32(x) and weight.dtype == torch.float32:
+        normed, total = torch.ops.gpushare.rms_norm(x, residual, weight, eps)
+        return normed, total
+    total = x if residual is None else x + residual
+    return F.rms_norm(total, (total.shape[-1],), weight, eps), total
+
+
+def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_cache, slot_mapping) -> bool:
+    """RoPE on the q and k heads of a fused projection's output ``qkv [T, (Hq + 2 Hkv) * D]`` in place, and
+    k and v into their cache slots, in one C++ call (bit for bit the torch path's numbers); False, with
+    nothing done, where that kernel cannot run (not float32 on the CPU, another cache dtype)."""
+    int8 = isinstance(k_cache, _attention_torch.Int8KV)
+    cache_dtype = k_cache.data.dtype if int8 else k_cache.dtype
+    if not (qkv.is_contiguous() and cos.dtype == torch.float32 and cache_dtype in (torch.float32, torch.int8)
+            and _cpp_float32(qkv)):
+        return False
+    if int8:
+        torch.ops.gpushare.rope_and_cache(qkv, cos, sin, q_heads, kv_heads, k_cache.data, v_cache.data, k_cache.scale,
+                                          v_cache.scale, slot_mapping)
+    else:
+        torch.ops.gpushare.rope_and_cache(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, None, None, slot_mapping)
+    return True
 
 
 def prepare_cpu() -> None:

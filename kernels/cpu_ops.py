@@ -1,4 +1,4 @@
-"""The CPU's C++ kernels (``cpu_attention.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
+"""The CPU's C++ kernels (``cpu_ops.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
 
 They are compiled with the system's C++ compiler for the CPU at hand (``-march=native``: the
 machines this runs on differ, AVX2-only to AVX-512) against the installed torch's headers, a few
@@ -21,7 +21,9 @@ import torch
 
 log = logging.getLogger("gpushare.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# -ffp-contract=off: no fused multiply-adds the torch path does not make (RoPE stays bit for bit)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
 
 
@@ -41,7 +43,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where this machine's build is kept."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("|".join([SOURCE.read_text(), torch.__version__, version, _cpu_identity()]).encode())
+    key = hashlib.sha256("|".join([SOURCE.read_text(), *FLAGS, torch.__version__, version, _cpu_identity()]).encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpushare"
     return cache / f"cpu-ops-{key.hexdigest()[:16]}.so"
 
@@ -52,8 +54,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as f:
         partial = Path(f.name)
-    command = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    command = [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(partial),
                *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
     try:

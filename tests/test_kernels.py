@@ -31,7 +31,7 @@ GROUPS = [pytest.param(g, id=f"gqa{g}") for g in (1, 3, 8)]
 
 
 class CppDecode:
-    """The CPU's C++ decode attention (kernels/cpu_attention.cpp, float32 queries) with the torch
+    """The CPU's C++ decode attention (kernels/cpu_ops.cpp, float32 queries) with the torch
     path's signature, so the shared checks can call it."""
 
     @staticmethod

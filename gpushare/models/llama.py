@@ -50,8 +50,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """RMSNorm of ``x``; with ``residual``: ``(RMSNorm(x + residual), x + residual)``."""
+        normed, total = kernels.rms_norm(x, self.weight, self.eps, residual)
+        return normed if residual is None else (normed, total)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
@@ -133,15 +135,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
-        q, k, v = self.qkv_proj(x, batch.wide_rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q = self._rope_and_cache(self.qkv_proj(x, batch.wide_rows), cos, sin, kv_cache, batch)
         k_cache, v_cache = kv_cache
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
         p = batch.num_prefill_tokens
         parts = []
         if p:
@@ -153,6 +148,20 @@ class Attention(nn.Module):
                                                   batch.decode_context_lens, self.scale, self.window, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows)
+
+    def _rope_and_cache(self, qkv, cos, sin, kv_cache, batch: AttentionBatch):
+        """The queries ``[T, Hq, D]`` after RoPE; this step's keys (after RoPE) and values go to the cache."""
+        if not self.qk_norm and kernels.try_rope_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                                           *kv_cache, batch.slot_mapping):
+            return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kernels.reshape_and_cache(k, v.view(-1, self.num_kv_heads, self.head_dim), *kv_cache, batch.slot_mapping)
+        return q
 
 
 class MLP(nn.Module):
@@ -192,8 +201,8 @@ class DecoderLayer(nn.Module):
             h = self.reduce(h)
         if self.sandwich_norm:
             h = self.attn_output_norm(h)
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x), state.batch.wide_rows)
+        normed, x = self.post_attention_layernorm(x, residual=h)
+        h = self.mlp(normed, state.batch.wide_rows)
         if self.reduce is not None:
             h = self.reduce(h)
         if self.sandwich_norm:

@@ -1,6 +1,7 @@
-"""The CPU's C++ decode attention (kernels/cpu_attention.cpp) against the float64 reference of
+"""The CPU's C++ kernels (kernels/cpu_ops.cpp): decode attention against the float64 reference of
 test_kernels and against the torch path: float32 and int8 caches, GQA, odd head dims, and the
-same bits for a sequence alone and in any batch. Windows and soft caps: test_kernels_window."""
+same bits for a sequence alone and in any batch (windows and soft caps: test_kernels_window); RMSNorm
+with its residual add; RoPE with the cache write, bit for bit the torch path."""
 
 import pytest
 import torch
@@ -64,3 +65,54 @@ def test_a_block_table_too_short_for_its_length_is_refused():
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         CppDecode.decode_attention(torch.randn(1, NUM_KV_HEADS, 64), k_cache, v_cache, tables[:, :1],
                                    torch.tensor([40], dtype=torch.int32), 0.125)
+
+
+def test_rms_norm_with_and_without_the_residual():
+    from gpushare import kernels
+
+    gen = torch.Generator().manual_seed(6)
+    x, residual, weight = (torch.randn(*shape, generator=gen) for shape in ((37, 576), (37, 576), (576,)))
+    normed, total = kernels.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + residual, (576,), weight, 1e-5),
+                               rtol=1e-6, atol=1e-6)
+    alone, same = kernels.rms_norm(x[3:4], weight, 1e-5)
+    assert same is x[3:4] or torch.equal(same, x[3:4])
+    torch.testing.assert_close(alone, torch.nn.functional.rms_norm(x[3:4], (576,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5)[0][3:4], alone)  # a row alone or among others
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32-cache", "int8-cache"])
+def test_rope_and_cache_is_the_torch_path_bit_for_bit(int8):
+    from gpushare import kernels
+    from gpushare.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(7)
+    q_heads, kv_heads, dim, tokens, blocks, block_size = 9, 3, 64, 21, 8, 16
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, generator=gen)
+    table = torch.randn(50, 2, dim, generator=gen)  # [cos, sin] rows per position, as the model's rope table
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    cos, sin = table[positions][:, 0, None, :], table[positions][:, 1, None, :]
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+
+    def caches():
+        shape = (blocks, block_size, kv_heads, dim)
+        if int8:
+            return [Int8KV(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:-1])) for _ in "kv"]
+        return [torch.zeros(shape) for _ in "kv"]
+
+    expected_caches = caches()
+    q, k, v = qkv.clone().split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    expected_q = apply_rope(q.reshape(tokens, q_heads, dim), cos, sin)
+    expected_k = apply_rope(k.reshape(tokens, kv_heads, dim), cos, sin)
+    paged_attention_torch.reshape_and_cache(expected_k, v.reshape(tokens, kv_heads, dim), *expected_caches, slots)
+
+    fused_caches = caches()
+    assert kernels.try_rope_and_cache(qkv, cos, sin, q_heads, kv_heads, *fused_caches, slots)
+
+    assert torch.equal(qkv[:, :q_heads * dim].view(tokens, q_heads, dim), expected_q)
+    for fused, expected in zip(fused_caches, expected_caches):
+        if int8:
+            assert torch.equal(fused.data, expected.data) and torch.equal(fused.scale, expected.scale)
+        else:
+            assert torch.equal(fused, expected)

@@ -1,4 +1,5 @@
-// Paged decode attention on the CPU, reading each sequence's K/V blocks where they lie.
+// The CPU's C++ kernels: paged decode attention reading each sequence's K/V blocks where they lie,
+// and the small ops around it fused (RMSNorm with the residual add; RoPE with the cache write).
 //
 // The torch path (paged_attention_torch.py) gathers every sequence's blocks into a contiguous copy
 // and runs one SDPA per sequence: at batch 16 that is ~40% of a decode step in small ops. Here one
@@ -140,11 +141,119 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   return out;
 }
 
+// ---- the small ops around it, fused: one call where the torch path makes six to fifteen ----
+
+// y = x / sqrt(mean(x^2) + eps) * weight per row of float32 x [T, H]; with `residual`, x + residual
+// first, and that sum is returned too (the residual stream of the next block).
+std::vector<at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
+                                 const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
+              "rms_norm takes float32 [rows, hidden]");
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  at::Tensor sum = residual_in.has_value() ? at::empty_like(x) : x;
+  const at::Tensor residual = residual_in.has_value() ? residual_in->contiguous() : x;
+  at::Tensor out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  const bool add = residual_in.has_value();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * hidden;
+      float* total = sp + r * hidden;
+      if (add) {
+        const float* other = rp + r * hidden;
+        for (int64_t d = 0; d < hidden; ++d) total[d] = row[d] + other[d];
+        row = total;
+      }
+      const float inv = 1.f / std::sqrt(dot(row, row, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
+      float* o = op + r * hidden;
+      for (int64_t d = 0; d < hidden; ++d) o[d] = row[d] * inv * wp[d];
+    }
+  });
+  return {out, sum};
+}
+
+inline void rotate_half(float* x, const float* cos, const float* sin, int64_t dim, float* scratch) {
+  // as the torch path: x * cos + cat(-x[half:], x[:half]) * sin, each product rounded on its own
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float rotated = d < half ? -x[d + half] : x[d - half];
+    const float a = x[d] * cos[d], b = rotated * sin[d];
+    scratch[d] = a + b;
+  }
+  std::copy(scratch, scratch + dim, x);
+}
+
+template <typename Row>
+void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, int64_t head, int64_t dim, Row*) {
+  if (c.scale) {  // symmetric int8 per token and head, as paged_attention_torch._store
+    float top = 0;
+    for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::fabs(row[d]));
+    const float scale = std::max(top, 1e-12f) / 127.f;
+    int8_t* out = const_cast<int8_t*>(reinterpret_cast<const int8_t*>(c.data)) + block * c.block_stride +
+                  offset * c.row_stride + head * c.head_stride;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::nearbyint(row[d] / scale));
+    const_cast<float*>(c.scale)[block * c.scale_block + offset * c.scale_row + head * c.scale_head] = scale;
+  } else {
+    float* out = const_cast<float*>(reinterpret_cast<const float*>(c.data)) + block * c.block_stride +
+                 offset * c.row_stride + head * c.head_stride;
+    std::copy(row, row + dim, out);
+  }
+}
+
+// qkv [T, (Hq + 2 Hkv) * D] float32, the fused projection's output: RoPE on its q and k heads in
+// place, then k and v written to their cache slots. cos/sin [T, 1, D] (rows at any stride).
+void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,
+                    int64_t kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                    const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv must be contiguous float32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.stride(-1) == 1 &&
+              sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin must be float32 rows");
+  const int64_t dim = k_cache.size(3), tokens = qkv.size(0), block_size = k_cache.size(1);
+  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * dim && k_cache.size(2) == kv_heads, "qkv, heads and cache disagree");
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const Cache kc = cache_of(k_cache, k_scale), vc = cache_of(v_cache, v_scale);
+  float* base = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t width = qkv.size(1), trig_stride = cos.stride(0);
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = base + t * width;
+      const float *c = cp + t * trig_stride, *s = sp + t * trig_stride;
+      for (int64_t h = 0; h < q_heads + kv_heads; ++h) rotate_half(row + h * dim, c, s, dim, scratch.data());
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* k = row + (q_heads + h) * dim;
+        const float* v = row + (q_heads + kv_heads + h) * dim;
+        if (int8) {
+          store_row(k, kc, block, offset, h, dim, static_cast<int8_t*>(nullptr));
+          store_row(v, vc, block, offset, h, dim, static_cast<int8_t*>(nullptr));
+        } else {
+          store_row(k, kc, block, offset, h, dim, static_cast<float*>(nullptr));
+          store_row(v, vc, block, offset, h, dim, static_cast<float*>(nullptr));
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gpushare, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor context_lens, float scale, int window, float softcap) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]");
+  m.def("rope_and_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(gpushare, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_and_cache", &rope_and_cache);
+}
