@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -31,10 +32,30 @@ inline float dot(const float* q, const T* k, int64_t n) {
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
     for (int64_t j = 0; j < kLanes; ++j) lanes[j] += q[d + j] * static_cast<float>(k[d + j]);
-  float sum = 0;
-  for (int64_t j = 0; j < kLanes; ++j) sum += lanes[j];
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)  // a fixed tree: a few shuffles, not 16 serial adds
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  float sum = lanes[0];
   for (; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
+}
+
+// e^x for x <= 0 (scores minus their maximum), written so that the compiler vectorizes a loop of it:
+// Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial), within 2 ulp of expf.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return e * scale;
 }
 
 template <typename T>
@@ -64,41 +85,56 @@ Cache cache_of(const at::Tensor& values, const c10::optional<at::Tensor>& scale)
   return c;
 }
 
+// One sequence's KV heads [first_head, last_head): q and out point at the sequence's [Hq, D] rows.
+// Tokens are the outer loop, so each token's K (then V) row is read once, front to back, for all
+// those heads; each head's numbers are computed alike whichever heads share the call.
 template <typename T>
 void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const int32_t* table, int64_t start,
-            int64_t length, int64_t block_size, int64_t head, int64_t group, int64_t dim, float scale,
-            float softcap, std::vector<float>& scores) {
-  const int64_t n = length - start;
-  scores.resize(group * n);
+            int64_t length, int64_t block_size, int64_t first_head, int64_t last_head, int64_t group, int64_t dim,
+            float scale, float softcap, std::vector<float>& scores) {
+  const int64_t n = length - start, rows = (last_head - first_head) * group;  // query heads handled
+  scores.resize(rows * n);
   for (int64_t t = start; t < length; ++t) {
     const int64_t block = table[t / block_size], offset = t % block_size;
-    const T* k = reinterpret_cast<const T*>(kc.data) + block * kc.block_stride + offset * kc.row_stride +
-                 head * kc.head_stride;
-    const float k_scale = kc.scale ? kc.scale[block * kc.scale_block + offset * kc.scale_row + head * kc.scale_head] : 1.f;
-    for (int64_t g = 0; g < group; ++g) {
-      float s = dot(q + g * dim, k, dim) * k_scale * scale;
-      if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-      scores[g * n + t - start] = s;
+    for (int64_t head = first_head; head < last_head; ++head) {
+      const T* k = reinterpret_cast<const T*>(kc.data) + block * kc.block_stride + offset * kc.row_stride +
+                   head * kc.head_stride;
+      const float k_scale =
+          kc.scale ? kc.scale[block * kc.scale_block + offset * kc.scale_row + head * kc.scale_head] : 1.f;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = (head - first_head) * group + g;
+        float s = dot(q + (head * group + g) * dim, k, dim) * k_scale * scale;
+        if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+        scores[row * n + t - start] = s;
+      }
     }
   }
-  std::fill(out, out + group * dim, 0.f);
-  std::vector<float> sums(group);
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * n;
-    const float top = *std::max_element(row, row + n);
+  std::vector<float> sums(rows);
+  for (int64_t row = 0; row < rows; ++row) {
+    float* p = scores.data() + row * n;
+    const float top = *std::max_element(p, p + n);
+    for (int64_t i = 0; i < n; ++i) p[i] = exp_nonpositive(p[i] - top);
     float sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += (row[i] = std::exp(row[i] - top));
-    sums[g] = sum;
+    for (int64_t i = 0; i < n; ++i) sum += p[i];
+    sums[row] = sum;
   }
+  float* first_out = out + first_head * group * dim;
+  std::fill(first_out, first_out + rows * dim, 0.f);
   for (int64_t t = start; t < length; ++t) {
     const int64_t block = table[t / block_size], offset = t % block_size;
-    const T* v = reinterpret_cast<const T*>(vc.data) + block * vc.block_stride + offset * vc.row_stride +
-                 head * vc.head_stride;
-    const float v_scale = vc.scale ? vc.scale[block * vc.scale_block + offset * vc.scale_row + head * vc.scale_head] : 1.f;
-    for (int64_t g = 0; g < group; ++g) add_scaled(out + g * dim, scores[g * n + t - start] * v_scale, v, dim);
+    for (int64_t head = first_head; head < last_head; ++head) {
+      const T* v = reinterpret_cast<const T*>(vc.data) + block * vc.block_stride + offset * vc.row_stride +
+                   head * vc.head_stride;
+      const float v_scale =
+          vc.scale ? vc.scale[block * vc.scale_block + offset * vc.scale_row + head * vc.scale_head] : 1.f;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = (head - first_head) * group + g;
+        add_scaled(first_out + row * dim, scores[row * n + t - start] * v_scale, v, dim);
+      }
+    }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] /= sums[g];
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t d = 0; d < dim; ++d) first_out[row * dim + d] /= sums[row];
 }
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -124,18 +160,24 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   const int32_t* lp = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lp[b] > 0 && (lp[b] + block_size - 1) / block_size <= width, "a context length exceeds its block table");
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Work items: whole sequences once there are enough to share among the threads, else (sequence,
+  // KV head) pairs; the numbers are the same either way.
+  const int64_t heads_per_item = batch >= at::get_num_threads() ? kv_heads : 1;
+  const int64_t items_per_seq = kv_heads / heads_per_item;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, head = item % kv_heads;
+      const int64_t b = item / items_per_seq, first = (item % items_per_seq) * heads_per_item;
       const int64_t length = lp[b], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      const int64_t offset = (b * q_heads + head * group) * dim;
+      const int64_t offset = b * q_heads * dim;
       if (int8)
-        attend<int8_t>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, head, group, dim,
-                       static_cast<float>(scale), static_cast<float>(softcap), scores);
+        attend<int8_t>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
+                       first + heads_per_item, group, dim, static_cast<float>(scale), static_cast<float>(softcap),
+                       scores);
       else
-        attend<float>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, head, group, dim,
-                      static_cast<float>(scale), static_cast<float>(softcap), scores);
+        attend<float>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
+                      first + heads_per_item, group, dim, static_cast<float>(scale), static_cast<float>(softcap),
+                      scores);
     }
   });
   return out;
