@@ -86,6 +86,9 @@ def test_each_model_runs_on_its_own_device_and_worker(two_devices):
     assert all(m["size_vram"] == 0 and m["device_healthy"] for m in ps.values())
     assert {d: (row["healthy"], row["worker_pid"]) for d, row in devices_of(two_devices).items()} == {
         "cpu:0": (True, ps[A]["worker_pid"]), "cpu:1": (True, ps[B]["worker_pid"])}
+    for pid in pids:  # the workers' OpenMP threads spin briefly (worker_client.openmp_defaults)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"GOMP_SPINCOUNT=1000" in f.read().split(b"\0")
     status, metrics, _ = http("GET", two_devices.url + "/metrics")
     assert status == 200
     for device in ("cpu:0", "cpu:1"):

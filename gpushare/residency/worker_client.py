@@ -43,6 +43,23 @@ class WorkerDied(RuntimeError):
     """The worker process ended while a call waited on it."""
 
 
+WORKER_GOMP_SPINCOUNT = "1000"
+
+
+def openmp_defaults(environ) -> dict[str, str]:
+    """How long a worker's idle OpenMP threads spin before they sleep, unless the environment says.
+
+    libgomp spins 300,000 rounds by default. A node's cores also run the daemon, its clients and
+    other workers, and those spinning threads starve them; a thread that then loses its core holds
+    up every parallel region. Measured on 2 cores (docs/benchmarks.md): under a tenant's 429 storm
+    the victim's TTFT p99 went from 1.4x alone (1,000 rounds) to 27-36x (the default) and the
+    flooding tenant's throughput from 165 to 40-58 tok/s; unloaded, 1,000 rounds cost 9% of one
+    stream's tok/s and nothing at 16 and 64 streams (100 rounds cost 31%)."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": WORKER_GOMP_SPINCOUNT}
+
+
 class WorkerClient:
     world_size = 1  # engine workers behind this device (a tensor-parallel group has more: group_client.py)
 
@@ -79,7 +96,7 @@ class WorkerClient:
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join()  # the last process's end is fully handled before this one starts
         ours, theirs = socket.socketpair()
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **openmp_defaults(os.environ), **self.env}
         self._process = subprocess.Popen([sys.executable, "-m", "gpushare.engine.worker", str(theirs.fileno())],
                                          env=env, pass_fds=(theirs.fileno(),))
         theirs.close()
