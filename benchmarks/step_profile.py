@@ -5,8 +5,10 @@
 
 For each weight format: the offline LLM runs `batch` greedy streams of `--tokens` tokens after a
 short prompt; the figure is the median wall time of the decode steps (the engine's on_step hook
-times them), then a profiled stretch of the same load lists the ops by self CPU time. Run it
-with nothing else on the machine.
+times them). Then the model alone, on this thread, runs decode steps of the same batch over
+`--context` cached tokens each under torch's profiler (which records the ops of the thread that
+started it, so not the engine's): the ops listed by self CPU time, lm_head included. Run it with
+nothing else on the machine.
 """
 
 import argparse
@@ -15,12 +17,15 @@ import statistics
 import sys
 import time
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perplexity import find_gguf  # noqa: E402
 
 from gpushare import LLM, SamplingParams  # noqa: E402
+from gpushare.engine.passing_threads import in_passing_thread  # noqa: E402
+from gpushare.models.llama import AttentionBatch  # noqa: E402
 
 
 def decode_step_ms(llm: LLM, batch: int, tokens: int) -> float:
@@ -34,11 +39,39 @@ def decode_step_ms(llm: LLM, batch: int, tokens: int) -> float:
     return statistics.median(gaps) * 1e3
 
 
+def model_decode_step(model, batch: int, context: int, block_size: int = 16):
+    """A function running one decode step of ``batch`` sequences over ``context`` cached tokens each
+    (random K/V in a cache of their own), lm_head included."""
+    config = model.config
+    width = context // block_size + 1
+    shape = (batch * width, block_size, config.num_kv_heads, config.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_layers)]
+    tables = torch.arange(batch * width, dtype=torch.int32).view(batch, width)
+    slots = tables[:, (context - 1) // block_size].long() * block_size + (context - 1) % block_size
+    none = torch.zeros(0, dtype=torch.int32)
+    layout = AttentionBatch(slots, 0, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), none,
+                            tables, torch.full((batch,), context, dtype=torch.int32))
+    ids, positions = torch.randint(0, 1000, (batch,)), torch.full((batch,), context - 1)
+    return lambda: model.logits(model(ids, positions, caches, layout))
+
+
+def profiled(model, batch: int, args) -> str:
+    torch.set_num_threads(args.threads)
+    step = model_decode_step(model, batch, args.context)
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", nargs="+", default=["auto"])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--context", type=int, default=200, help="cached tokens per sequence in the profiled steps")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="ops listed per profile")
     args = p.parse_args()
@@ -51,9 +84,10 @@ def main() -> int:
                 ms = decode_step_ms(llm, batch, args.tokens)
                 print(f"{weights} ({llm.model.weights}) batch {batch}: {ms:.2f} ms per decode step, "
                       f"{batch / ms * 1e3:.0f} tok/s", flush=True)
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    decode_step_ms(llm, batch, 16)
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top), flush=True)
+                # in a thread that ends, so that its OpenMP team does not slow the engine's next steps
+                table = in_passing_thread(profiled, llm.model.model, batch, args).result()
+                print(f"the model alone, 10 steps of batch {batch} at {args.context} tokens of context:")
+                print(table, flush=True)
         finally:
             llm.shutdown()
     return 0

@@ -36,16 +36,17 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     return _ops(key, _attention_torch).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def _cpp_attention(q, k_cache) -> bool:
-    """The C++ kernel (cpu_ops.py) takes float32 queries over a float32 or int8 cache on the CPU."""
-    if q.is_cuda or q.dtype != torch.float32:
-        return False
-    cache_dtype = k_cache.data.dtype if isinstance(k_cache, _attention_torch.Int8KV) else k_cache.dtype
-    return cache_dtype in (torch.float32, torch.int8) and _cpu_ops.loaded()
-
-
 def _cpp_float32(x) -> bool:
-    return not x.is_cuda and x.dtype == torch.float32 and _cpu_ops.loaded()
+    """Whether the C++ kernels (cpu_ops.py) take float32 ``x``: on the CPU, unless GPUSHARE_KERNELS picks
+    a path (it is read at each call, as ``_use_triton`` does)."""
+    return not x.is_cuda and x.dtype == torch.float32 and not os.environ.get("GPUSHARE_KERNELS") \
+        and _cpu_ops.loaded()
+
+
+def _cpp_attention(q, k_cache) -> bool:
+    """The C++ decode attention takes float32 queries over a float32 or int8 cache on the CPU."""
+    cache_dtype = k_cache.data.dtype if isinstance(k_cache, _attention_torch.Int8KV) else k_cache.dtype
+    return cache_dtype in (torch.float32, torch.int8) and _cpp_float32(q)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

@@ -5,7 +5,8 @@ machines this runs on differ, AVX2-only to AVX-512) against the installed torch'
 seconds, and kept in ``$XDG_CACHE_HOME/gpushare`` (or ``~/.cache/gpushare``) under a name that
 covers the source, torch's version, the compiler and the CPU, so a change of any builds anew.
 Where they cannot be built (no compiler, a failed build), the torch path runs instead and the
-reason is logged once. ``GPUSHARE_KERNELS=torch`` keeps the torch path.
+reason is logged once. ``GPUSHARE_KERNELS=torch`` (or ``triton``) keeps them out of the dispatch
+(kernels/__init__.py).
 """
 
 import functools
@@ -69,8 +70,6 @@ def _build(compiler: str, target: Path) -> None:
 @functools.cache
 def loaded() -> bool:
     """Whether ``torch.ops.gpushare`` holds the C++ kernels (built first if this machine has none)."""
-    if os.environ.get("GPUSHARE_KERNELS"):
-        return False
     compiler = _compiler()
     if compiler is None:
         log.warning("no C++ compiler (g++, or $CXX): the CPU runs the slower torch attention path")

@@ -151,9 +151,21 @@ def bf16_kv_llm(smollm2_path):
 
 
 def test_bfloat16_kv_answers_as_float32_kv_on_the_oracle_prompts_in_half_the_bytes(llm, bf16_kv_llm):
+    """Greedy answers agree, or part only where float32 KV itself was at a near tie: the two tokens
+    are its top two there, within 0.05 of a nat (bfloat16 rounding moves logits by a few 1e-3)."""
     convs = [[{"role": "user", "content": p}] for p in ORACLE_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    assert [o.token_ids for o in bf16_kv_llm.chat(convs, params)] == [o.token_ids for o in llm.chat(convs, params)]
+    exact = llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2))
+    halved = bf16_kv_llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    same = 0
+    for reference, answer in zip(exact, halved):
+        if answer.token_ids == reference.token_ids:
+            same += 1
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(answer.token_ids, reference.token_ids)) if a != b)
+        (first, first_logprob), (second, second_logprob) = reference.logprobs[i].top[:2]
+        assert {first, second} == {answer.token_ids[i], reference.token_ids[i]}
+        assert first_logprob - second_logprob < 0.05
+    assert same >= len(convs) - 1
     per_block = bf16_kv_llm.engine.stats().models[bf16_kv_llm.model_name].block_bytes
     assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)
 

@@ -11,9 +11,10 @@ def kv_dtype_name(kv_dtype: str, device: str) -> str:
     """The KV storage dtype's name for the ``engine.kv_dtype`` setting on ``device``; ValueError when
     the device cannot store it. ``auto``: bfloat16 on a GPU (the compute dtype there); float32 on
     the CPU. Measured on the CPU (docs/benchmarks.md), bfloat16 KV keeps the oracle prompts' greedy
-    answers and the perplexity (22.515 vs 22.520), but K/V rows that come from the prefix cache and
-    rows computed afresh differ in their last bits, which bfloat16 rounding turns into other tokens
-    (1 of 3 prompts from token 25 on): with it an answer would depend on what ran before. float16
+    answers (7 of 8; the eighth parts at a near tie, 0.002 nats apart) and the perplexity (22.515 vs
+    22.520), but K/V rows that come from the prefix cache and rows computed afresh differ in their
+    last bits, which bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on):
+    with it an answer would depend on what ran before. float16
     is refused on the CPU (no fast float16 kernels); int8 (a quarter of float32's bytes plus a
     scale per token and head) on GPUs, whose Triton kernels read float KV only."""
     if kv_dtype not in KV_DTYPES:
