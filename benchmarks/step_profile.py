@@ -5,10 +5,10 @@
 
 For each weight format: the offline LLM runs `batch` greedy streams of `--tokens` tokens after a
 short prompt; the figure is the median wall time of the decode steps (the engine's on_step hook
-times them). Then the model alone, on this thread, runs decode steps of the same batch over
-`--context` cached tokens each under torch's profiler (which records the ops of the thread that
-started it, so not the engine's): the ops listed by self CPU time, lm_head included. Run it with
-nothing else on the machine.
+times them). Then, the engine shut down, the model alone runs decode steps of the same batches on
+this thread over `--context` cached tokens each under torch's profiler (which records the ops of
+the thread that started it, so not an engine thread's): the ops listed by self CPU time, lm_head
+included. Run it with nothing else on the machine.
 """
 
 import argparse
@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perplexity import find_gguf  # noqa: E402
 
 from gpushare import LLM, SamplingParams  # noqa: E402
-from gpushare.engine.passing_threads import in_passing_thread  # noqa: E402
 from gpushare.models.llama import AttentionBatch  # noqa: E402
 
 
@@ -56,7 +55,6 @@ def model_decode_step(model, batch: int, context: int, block_size: int = 16):
 
 
 def profiled(model, batch: int, args) -> str:
-    torch.set_num_threads(args.threads)
     step = model_decode_step(model, batch, args.context)
     for _ in range(3):
         step()
@@ -84,12 +82,12 @@ def main() -> int:
                 ms = decode_step_ms(llm, batch, args.tokens)
                 print(f"{weights} ({llm.model.weights}) batch {batch}: {ms:.2f} ms per decode step, "
                       f"{batch / ms * 1e3:.0f} tok/s", flush=True)
-                # in a thread that ends, so that its OpenMP team does not slow the engine's next steps
-                table = in_passing_thread(profiled, llm.model.model, batch, args).result()
-                print(f"the model alone, 10 steps of batch {batch} at {args.context} tokens of context:")
-                print(table, flush=True)
         finally:
-            llm.shutdown()
+            llm.shutdown()  # its engine thread ends, and its OpenMP team: this thread's alone is timed below
+        torch.set_num_threads(args.threads)
+        for batch in args.batch:
+            print(f"{weights}: the model alone, 10 steps of batch {batch} at {args.context} tokens of context:")
+            print(profiled(llm.model.model, batch, args), flush=True)
     return 0
 
 
