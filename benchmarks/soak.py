@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -178,6 +179,7 @@ async def run(args) -> dict:
         await session.close()
         proc.terminate()
         proc.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)  # its config and the daemon's log (a failure quotes the log)
     rss_ratio = rss_after / rss_warm
     return {"config": vars(args), "counts": counts, "elapsed_s": elapsed_s, "kv_blocks_held_after": held,
             "rss_warm_bytes": rss_warm, "rss_after_bytes": rss_after, "rss_ratio": rss_ratio,
