@@ -43,18 +43,23 @@ def _cpp_float32(x) -> bool:
         and _cpu_ops.loaded()
 
 
-def _cpp_attention(q, k_cache) -> bool:
-    """The C++ decode attention takes float32 queries over a float32 or int8 cache on the CPU."""
-    cache_dtype = k_cache.data.dtype if isinstance(k_cache, _attention_torch.Int8KV) else k_cache.dtype
-    return cache_dtype in (torch.float32, torch.int8) and _cpp_float32(q)
+def _cache_parts(cache) -> tuple:
+    """A layer's K (or V) cache as the C++ kernels take it: (values, their int8 scales or None)."""
+    if isinstance(cache, _attention_torch.Int8KV):
+        return cache.data, cache.scale
+    return cache, None
+
+
+def _cpp_cache(x, cache) -> bool:
+    """Whether the C++ kernels take float32 ``x`` with a float32 or int8 ``cache``."""
+    return _cache_parts(cache)[0].dtype in (torch.float32, torch.int8) and _cpp_float32(x)
 
 
 def rms_norm(x, weight, eps: float, residual=None):
     """``(RMSNorm(x + residual), x + residual)`` (without ``residual``: of ``x``, and ``x``): one C++ call
     for float32 rows on the CPU, torch's otherwise."""
     if x.dim() == 2 and _cpp_float32(x) and weight.dtype == torch.float32:
-        normed, total = torch.ops.gpushare.rms_norm(x, residual, weight, eps)
-        return normed, total
+        return tuple(torch.ops.gpushare.rms_norm(x, residual, weight, eps))
     total = x if residual is None else x + residual
     return F.rms_norm(total, (total.shape[-1],), weight, eps), total
 
@@ -63,16 +68,11 @@ def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_ca
     """RoPE on the q and k heads of a fused projection's output ``qkv [T, (Hq + 2 Hkv) * D]`` in place, and
     k and v into their cache slots, in one C++ call (bit for bit the torch path's numbers); False, with
     nothing done, where that kernel cannot run (not float32 on the CPU, another cache dtype)."""
-    int8 = isinstance(k_cache, _attention_torch.Int8KV)
-    cache_dtype = k_cache.data.dtype if int8 else k_cache.dtype
-    if not (qkv.is_contiguous() and cos.dtype == torch.float32 and cache_dtype in (torch.float32, torch.int8)
-            and _cpp_float32(qkv)):
+    if not (qkv.is_contiguous() and cos.dtype == torch.float32 and _cpp_cache(qkv, k_cache)):
         return False
-    if int8:
-        torch.ops.gpushare.rope_and_cache(qkv, cos, sin, q_heads, kv_heads, k_cache.data, v_cache.data, k_cache.scale,
-                                          v_cache.scale, slot_mapping)
-    else:
-        torch.ops.gpushare.rope_and_cache(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, None, None, slot_mapping)
+    (k_values, k_scale), (v_values, v_scale) = _cache_parts(k_cache), _cache_parts(v_cache)
+    torch.ops.gpushare.rope_and_cache(qkv, cos, sin, q_heads, kv_heads, k_values, v_values, k_scale, v_scale,
+                                      slot_mapping)
     return True
 
 
@@ -83,13 +83,10 @@ def prepare_cpu() -> None:
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
     """``window`` > 0: a sliding window of that many tokens; ``softcap`` > 0: tanh-capped scores."""
-    if _cpp_attention(q, k_cache):
-        if isinstance(k_cache, _attention_torch.Int8KV):
-            k_cache, k_scale, v_cache, v_scale = k_cache.data, k_cache.scale, v_cache.data, v_cache.scale
-        else:
-            k_scale = v_scale = None
-        return torch.ops.gpushare.decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                                   scale, window or 0, softcap or 0.0)
+    if _cpp_cache(q, k_cache):
+        (k_values, k_scale), (v_values, v_scale) = _cache_parts(k_cache), _cache_parts(v_cache)
+        return torch.ops.gpushare.decode_attention(q, k_values, v_values, k_scale, v_scale, block_tables,
+                                                   context_lens, scale, window or 0, softcap or 0.0)
     return _ops(q, _attention_torch).decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                       window, softcap)
 

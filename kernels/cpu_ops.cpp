@@ -64,15 +64,26 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 }
 
 struct Cache {
-  const char* data;  // float or int8 rows
-  const float* scale;  // int8 only: one per (block, offset, head)
+  char* data;  // float or int8 rows
+  float* scale;  // int8 only: one per (block, offset, head)
   int64_t block_stride, row_stride, head_stride;  // in elements
   int64_t scale_block, scale_row, scale_head;
+
+  template <typename T>
+  T* row(int64_t block, int64_t offset, int64_t head) const {
+    return reinterpret_cast<T*>(data) + block * block_stride + offset * row_stride + head * head_stride;
+  }
+  float* scale_at(int64_t block, int64_t offset, int64_t head) const {
+    return scale + block * scale_block + offset * scale_row + head * scale_head;
+  }
+  float row_scale(int64_t block, int64_t offset, int64_t head) const {
+    return scale ? *scale_at(block, offset, head) : 1.f;
+  }
 };
 
 Cache cache_of(const at::Tensor& values, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(values.dim() == 4 && values.stride(3) == 1, "a KV cache is [blocks, block_size, heads, dim], dim contiguous");
-  Cache c{static_cast<const char*>(values.data_ptr()), nullptr, values.stride(0), values.stride(1), values.stride(2),
+  Cache c{static_cast<char*>(values.data_ptr()), nullptr, values.stride(0), values.stride(1), values.stride(2),
           0, 0, 0};
   if (values.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->dim() == 3,
@@ -97,10 +108,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   for (int64_t t = start; t < length; ++t) {
     const int64_t block = table[t / block_size], offset = t % block_size;
     for (int64_t head = first_head; head < last_head; ++head) {
-      const T* k = reinterpret_cast<const T*>(kc.data) + block * kc.block_stride + offset * kc.row_stride +
-                   head * kc.head_stride;
-      const float k_scale =
-          kc.scale ? kc.scale[block * kc.scale_block + offset * kc.scale_row + head * kc.scale_head] : 1.f;
+      const T* k = kc.row<T>(block, offset, head);
+      const float k_scale = kc.row_scale(block, offset, head);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = (head - first_head) * group + g;
         float s = dot(q + (head * group + g) * dim, k, dim) * k_scale * scale;
@@ -123,10 +132,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   for (int64_t t = start; t < length; ++t) {
     const int64_t block = table[t / block_size], offset = t % block_size;
     for (int64_t head = first_head; head < last_head; ++head) {
-      const T* v = reinterpret_cast<const T*>(vc.data) + block * vc.block_stride + offset * vc.row_stride +
-                   head * vc.head_stride;
-      const float v_scale =
-          vc.scale ? vc.scale[block * vc.scale_block + offset * vc.scale_row + head * vc.scale_head] : 1.f;
+      const T* v = vc.row<T>(block, offset, head);
+      const float v_scale = vc.row_scale(block, offset, head);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = (head - first_head) * group + g;
         add_scaled(first_out + row * dim, scores[row * n + t - start] * v_scale, v, dim);
@@ -227,20 +234,16 @@ inline void rotate_half(float* x, const float* cos, const float* sin, int64_t di
   std::copy(scratch, scratch + dim, x);
 }
 
-template <typename Row>
-void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, int64_t head, int64_t dim, Row*) {
+void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, int64_t head, int64_t dim) {
   if (c.scale) {  // symmetric int8 per token and head, as paged_attention_torch._store
     float top = 0;
     for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::fabs(row[d]));
     const float scale = std::max(top, 1e-12f) / 127.f;
-    int8_t* out = const_cast<int8_t*>(reinterpret_cast<const int8_t*>(c.data)) + block * c.block_stride +
-                  offset * c.row_stride + head * c.head_stride;
+    int8_t* out = c.row<int8_t>(block, offset, head);
     for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::nearbyint(row[d] / scale));
-    const_cast<float*>(c.scale)[block * c.scale_block + offset * c.scale_row + head * c.scale_head] = scale;
+    *c.scale_at(block, offset, head) = scale;
   } else {
-    float* out = const_cast<float*>(reinterpret_cast<const float*>(c.data)) + block * c.block_stride +
-                 offset * c.row_stride + head * c.head_stride;
-    std::copy(row, row + dim, out);
+    std::copy(row, row + dim, c.row<float>(block, offset, head));
   }
 }
 
@@ -261,7 +264,6 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t width = qkv.size(1), trig_stride = cos.stride(0);
-  const bool int8 = k_cache.scalar_type() == at::kChar;
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -270,15 +272,8 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       for (int64_t h = 0; h < q_heads + kv_heads; ++h) rotate_half(row + h * dim, c, s, dim, scratch.data());
       const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const float* k = row + (q_heads + h) * dim;
-        const float* v = row + (q_heads + kv_heads + h) * dim;
-        if (int8) {
-          store_row(k, kc, block, offset, h, dim, static_cast<int8_t*>(nullptr));
-          store_row(v, vc, block, offset, h, dim, static_cast<int8_t*>(nullptr));
-        } else {
-          store_row(k, kc, block, offset, h, dim, static_cast<float*>(nullptr));
-          store_row(v, vc, block, offset, h, dim, static_cast<float*>(nullptr));
-        }
+        store_row(row + (q_heads + h) * dim, kc, block, offset, h, dim);
+        store_row(row + (q_heads + kv_heads + h) * dim, vc, block, offset, h, dim);
       }
     }
   });

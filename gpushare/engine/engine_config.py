@@ -14,9 +14,9 @@ def kv_dtype_name(kv_dtype: str, device: str) -> str:
     answers (7 of 8; the eighth parts at a near tie, 0.002 nats apart) and the perplexity (22.515 vs
     22.520), but K/V rows that come from the prefix cache and rows computed afresh differ in their
     last bits, which bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on):
-    with it an answer would depend on what ran before. float16
-    is refused on the CPU (no fast float16 kernels); int8 (a quarter of float32's bytes plus a
-    scale per token and head) on GPUs, whose Triton kernels read float KV only."""
+    with it an answer would depend on what ran before. float16 is refused on the CPU (no fast
+    float16 kernels); int8 (a quarter of float32's bytes plus a scale per token and head) on GPUs,
+    whose Triton kernels read float KV only."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     on_gpu = device.startswith("cuda")

@@ -6,10 +6,11 @@ MIG instance. FD is its end of a socket pair; the first message is the WorkerSpe
 
 Threads: the main thread reads messages and hands them to the engine (submits and cancels go
 straight to its inbox); loads and unloads run in order, each in a thread that ends with it
-(passing_threads.py), so a long load never holds up requests; one sender thread writes everything going back, coalescing what piled up
-(outputs of several turns into one message, only the newest snapshot). The engine thread calls
-``on_output``/``on_snapshot``, which only queue. The process ends when the supervisor says Stop
-or its socket closes (the supervisor is gone): a worker never outlives its daemon.
+(passing_threads.py), so a long load never holds up requests; one sender thread writes everything
+going back, coalescing what piled up (outputs of several turns into one message, only the newest
+snapshot). The engine thread calls ``on_output``/``on_snapshot``, which only queue. The process
+ends when the supervisor says Stop or its socket closes (the supervisor is gone): a worker never
+outlives its daemon.
 
 A rank of a tensor-parallel group (WorkerSpec.group) first joins its group. The first rank then
 runs as above, its models split and broadcasting each forward pass; the other ranks run

@@ -56,27 +56,25 @@ def wide_int8_kernel() -> str:
     AVX-512 bf16 CPU, one layer's linears at 1,024 rows: 24.8 ms against 9.0 ms dequantized); where
     bfloat16 is emulated the dequantized path may lose, hence the measurement (at 128 rows; at 64 the
     two are even here). Kept like the weights verdict; ``GPUSHARE_CPU_WIDE_INT8`` overrides it."""
-    forced = os.environ.get("GPUSHARE_CPU_WIDE_INT8")
-    if forced in WIDE_CHOICES:
-        return forced
-    verdict = verdict_file("wide-int8")
-    try:
-        known = verdict.read_text().strip()
-    except OSError:
-        known = None
-    return known if known in WIDE_CHOICES else _keep(verdict, _measure_wide())
+    return _known("GPUSHARE_CPU_WIDE_INT8", "wide-int8", WIDE_CHOICES) or _keep(verdict_file("wide-int8"),
+                                                                                _measure_wide())
 
 
 def known_cpu_weights() -> str | None:
     """The override or this machine's kept verdict; None when neither exists yet (nothing measured)."""
-    forced = os.environ.get("GPUSHARE_CPU_WEIGHTS")
-    if forced in CHOICES:
+    return _known("GPUSHARE_CPU_WEIGHTS", "weights", CHOICES)
+
+
+def _known(variable: str, name: str, choices: tuple[str, ...]) -> str | None:
+    """The choice the environment ``variable`` forces, else the machine's kept verdict on ``name``."""
+    forced = os.environ.get(variable)
+    if forced in choices:
         return forced
     try:
-        known = verdict_file("weights").read_text().strip()
+        known = verdict_file(name).read_text().strip()
     except OSError:
         return None
-    return known if known in CHOICES else None
+    return known if known in choices else None
 
 
 def verdict_file(name: str) -> Path:
