@@ -74,7 +74,7 @@ class ModelEntry:
 @dataclass
 class EngineSettings:
     dtype: str = "auto"  # activations; auto: bfloat16 on CUDA, float32 on CPU
-    weights: str = "auto"  # weight format; auto: int8 for quantized files on CPU (weight_format.py)
+    weights: str = "auto"  # weight format; auto: int4 for 4-bit files, int8 for other quantized ones (weight_format.py)
     device: str = "auto"  # auto: cuda when torch is a CUDA build and NVML sees a GPU, else cpu (devices=None only)
     devices: list[str] | None = None  # engine workers: cuda:N, GPU-/MIG- uuids, cpu, cpu:LIST; None: auto
     isolation: str = "process"  # each device's engine in a worker process | "thread": in the daemon

@@ -29,8 +29,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None, weights: str = "auto",
                  kv_dtype: str = "auto", enable_prefix_caching: bool = True):
-        """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int8
-        for a quantized GGUF on the CPU); ``kv_dtype``: the KV cache's (``auto``: float32 on the CPU).
+        """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int4
+        for a 4-bit GGUF, int8 for other quantized ones); ``kv_dtype``: the KV cache's (``auto``: float32 on the CPU).
         ``weights="float32"`` with ``dtype="float32"`` is the exact path. ``enable_prefix_caching``: reuse
         the K/V of prompt blocks seen before (vLLM's name); their rows were computed in other chunks, so
         with bfloat16 arithmetic (quantized weights) an answer may then differ in its last bits."""

@@ -310,8 +310,10 @@ def test_pinned_weight_and_live_settings(engine, folders, tmp_path):
 def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
     """`gpushare load` draws the streamed progress of a cold load while /api/ps shows the fraction;
     /api/tags and `gpushare list` tell loaded, warm and on-disk models apart; a reload is warm."""
-    models = [{"name": TINY, "path": folders[TINY], "pinned": True},
-              {"name": COPY, "path": folders[COPY]}, {"name": SMOL, "path": folders[SMOL]}]
+    # SmolLM2 in float32: its slowest load (every block dequantized), seconds long, for a bar of several
+    # lines; as int4 (auto) the load can end within two of the CLI's 0.1 s progress lines
+    models = [{"name": TINY, "path": folders[TINY], "pinned": True}, {"name": COPY, "path": folders[COPY]},
+              {"name": SMOL, "path": folders[SMOL], "weights": "float32"}]
     daemon = spawn_daemon(tmp_path, folders[SMOL], {"models": models, "memory": {"kv_budget": "24MiB"}})
     try:
         def loaded():

@@ -1,15 +1,18 @@
-"""Whether int8 weights beat float32 on this CPU: measured, not assumed.
+"""Which CPU kernels run quantized weights here: measured, not assumed.
 
-CPUs of one machine kind differ (AVX2-only, AVX-512 with VNNI and bf16, AMX). The int8 CPU
-kernel (``_weight_int8pack_mm`` on bfloat16 activations) is 2.2x faster than float32 oneDNN at
-batch 1 on an AVX-512 bf16 CPU, but bfloat16 arithmetic is emulated on older ones, where it may
-lose. ``auto`` weights take int8 for a quantized file only where it wins here. The timing uses
-a small model's shapes at batch 1 and takes a fraction of a second; its verdict is kept for the
-process and in a small file per CPU model and torch version (``$XDG_CACHE_HOME/gpushare`` or
+CPUs of one machine kind differ (AVX2-only, AVX-512 with VNNI and bf16, AMX), so three choices
+are timed on the CPU at hand rather than fixed: whether int8 weights beat float32 at all
+(``quantized_cpu_weights``: ``auto`` weights take int8 for a quantized file only where it wins);
+which kernel multiplies int8 and int4 weights (``quantized_kernel``: the C++ block kernel or
+torch's weight-only ones); and, on torch's, how wide prefill rows run (``wide_int8_kernel``).
+Each timing uses a small model's shapes and takes a fraction of a second; its verdict is kept for
+the process and in a small file per CPU model and torch version (``$XDG_CACHE_HOME/gpushare`` or
 ``~/.cache/gpushare``; delete it to measure again), so that every process on the machine, the
 daemon and an offline ``LLM`` alike, loads a model in the same format and answers alike.
-``GPUSHARE_CPU_WEIGHTS=int8|float32`` overrides it. torch is imported only to measure: the
-daemon's supervisor reads the kept verdict (``known_cpu_weights``) without loading it.
+``GPUSHARE_CPU_WEIGHTS=int8|float32``, ``GPUSHARE_CPU_QUANTIZED_KERNEL=blocks|torch`` and
+``GPUSHARE_CPU_WIDE_INT8=bfloat16|int8pack`` override them. torch is imported only to measure: the
+daemon's supervisor reads the kept verdicts (``known_cpu_weights``, ``known_quantized_kernel``)
+without loading it.
 """
 
 import functools
@@ -25,6 +28,7 @@ from pathlib import Path
 log = logging.getLogger("gpushare.models")
 
 CHOICES = ("int8", "float32")
+KERNEL_CHOICES = ("blocks", "torch")
 WIDE_CHOICES = ("bfloat16", "int8pack")
 WIDE_CHUNK_TOKENS = 64  # a prefill chunk this long is "wide": see wide_int8_kernel
 _WIDE_MEASURE_ROWS = 128  # near WIDE_CHUNK_TOKENS the two paths are even here, and timings too noisy to tell
@@ -46,6 +50,27 @@ def best_time_s(fn, reps: int = 20) -> float:
 def quantized_cpu_weights() -> str:
     """The faster format for a quantized file's weights on this CPU: "int8" or "float32"."""
     return known_cpu_weights() or _keep(verdict_file("weights"), _measure())
+
+
+@functools.cache
+def quantized_kernel() -> str:
+    """Which kernel multiplies int8 and int4 weights on this CPU: "blocks" (kernels/cpu_qmatmul.cpp:
+    activations quantized to int8 in blocks of 32, integer dot products, AVX-512 VNNI where the CPU
+    has it) or "torch" (torch's weight-only kernels on bfloat16 activations). "torch" where the C++
+    kernels cannot be built or ``GPUSHARE_KERNELS`` picks a path; otherwise measured (int8 weights at
+    1 and 16 rows), kept like the weights verdict; ``GPUSHARE_CPU_QUANTIZED_KERNEL`` overrides it."""
+    from gpushare.kernels import cpu_ops
+
+    if os.environ.get("GPUSHARE_KERNELS") or not cpu_ops.loaded():
+        return "torch"
+    return known_quantized_kernel() or _keep(verdict_file("quantized-kernel"), _measure_kernel())
+
+
+def known_quantized_kernel() -> str | None:
+    """The override or this machine's kept kernel verdict; None when neither exists yet."""
+    if os.environ.get("GPUSHARE_KERNELS"):
+        return "torch"
+    return _known("GPUSHARE_CPU_QUANTIZED_KERNEL", "quantized-kernel", KERNEL_CHOICES)
 
 
 @functools.cache
@@ -110,18 +135,43 @@ def _keep(verdict: Path, choice: str) -> str:
 def _measure() -> str:
     import torch
 
+    from gpushare.models.linear import Linear
+    from gpushare.models.quantized import quantize_int8
+
     gen = torch.Generator().manual_seed(0)
     totals = {"int8": 0.0, "float32": 0.0}
     for n, k in _SHAPES:
         w = torch.randn(n, k, generator=gen) / 50
-        scales = w.abs().amax(dim=1) / 127
-        q = torch.round(w / scales[:, None]).to(torch.int8)
-        packed, scales_bf16 = w.to_mkldnn(), scales.bfloat16()
+        int8, dense = Linear(k, n, bias=False), Linear(k, n, bias=False)
+        int8.set_quantized(quantize_int8(w), "cpu")  # on the kernel this CPU runs int8 with
+        dense.set_dense(w)
         x = torch.randn(1, k, generator=gen)
-        totals["int8"] += best_time_s(lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, scales_bf16).float())
-        totals["float32"] += best_time_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        totals["int8"] += best_time_s(lambda: int8(x))
+        totals["float32"] += best_time_s(lambda: dense(x))
     choice = min(totals, key=totals.get)
     log.info("CPU weights for quantized files: %s (batch-1 linears: %s)", choice,
+             ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
+    return choice
+
+
+def _measure_kernel() -> str:
+    import torch
+
+    from gpushare.kernels import cpu_qmatmul
+    from gpushare.models.quantized import quantize_int8
+
+    gen = torch.Generator().manual_seed(0)
+    totals = {"blocks": 0.0, "torch": 0.0}
+    for n, k in _SHAPES:
+        w = quantize_int8(torch.randn(n, k, generator=gen) / 50)
+        codes, scales_bf16 = cpu_qmatmul.pack_int8(w.qweight), w.scales.bfloat16()
+        for rows in (1, 16):
+            x = torch.randn(rows, k, generator=gen)
+            totals["blocks"] += best_time_s(lambda: cpu_qmatmul.matmul(x, codes, w.scales, None, n))
+            totals["torch"] += best_time_s(
+                lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w.qweight, scales_bf16).float())
+    choice = min(totals, key=totals.get)
+    log.info("CPU kernel for quantized weights: %s (int8 linears at 1 and 16 rows: %s)", choice,
              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
     return choice
 

@@ -4,15 +4,17 @@ its format and device.
 A ``Linear`` holds one of:
 - a dense weight (``F.linear``; on the CPU in float32 a oneDNN-packed copy, 1.1-2x faster
   than MKL for this model's shapes with identical results);
-- an ``Int8Weight``: on the CPU ``_weight_int8pack_mm`` (weight-only), on CUDA the Triton kernel;
-- an ``Int4Weight``: on the CPU ``_weight_int4pack_mm_for_cpu`` (its own packed layout, made
-  once at load), on CUDA the Triton kernel.
+- an ``Int8Weight`` or ``Int4Weight``. On the CPU, where the C++ kernels build and measure faster
+  (cpu_kernels.quantized_kernel), the weight is packed once for ``kernels/cpu_qmatmul``, which
+  quantizes the activations to int8 in blocks of 32 (one scale per block, as llama.cpp) and
+  multiplies in integers: 1.7x torch's weight-only kernels at batch 1, 3-4x at 16-64 here.
+  Otherwise torch's weight-only kernels on bfloat16 activations (``_weight_int8pack_mm``,
+  ``_weight_int4pack_mm_for_cpu``; their float32 paths are reference loops, 10 to 150x slower),
+  with wide prefill rows of int8 weights on a dequantized bfloat16 copy. On CUDA the Triton kernels.
 
-The CPU kernels take bfloat16 activations: their float32 paths are reference loops, 10 to 150x
-slower here; the result is cast back to the activations' dtype. Activations are not quantized:
-int8 activations per token (``torch._int_mm``) were 2.5x faster at batch 16 but cost 6.4%
-perplexity on SmolLM2, whose hidden states carry ~25,000-magnitude outliers that leave every
-other channel of a token a few int8 steps (docs/benchmarks.md).
+One int8 scale per token instead of per block was 2.5x faster than the weight-only kernels at
+batch 16 but cost 6.4% perplexity on SmolLM2, whose hidden states carry ~25,000-magnitude outliers
+that leave every other channel of a token a few int8 steps (docs/benchmarks.md).
 
 Quantized tensors are registered buffers, so moving a model (the warm tier) moves them too.
 """
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpushare import kernels
-from gpushare.models.cpu_kernels import wide_int8_kernel
+from gpushare.kernels import cpu_qmatmul
+from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
 from gpushare.models.quantized import Int4Weight, Int8Weight
 
 
@@ -39,6 +42,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.format = "dense"  # dense | onednn | int8 | int4
+        self.blocks = False  # int8 or int4 packed for kernels/cpu_qmatmul
         self.group_size = 0
 
     def forward(self, x, wide_rows: int = 0):
@@ -50,6 +54,8 @@ class Linear(nn.Module):
             y = F.linear(x, w) if w.dtype == x.dtype else F.linear(x.to(w.dtype), w).to(x.dtype)
         elif kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        elif self.blocks:
+            y = cpu_qmatmul.matmul(x.float(), self.codes, self.scales, self.mins, self.out_features).to(x.dtype)
         elif kind == "int8":
             if x.is_cuda:
                 y = kernels.int8_weight_matmul(x, self.qweight, self.scales)
@@ -76,13 +82,29 @@ class Linear(nn.Module):
 
     def set_quantized(self, w: Int8Weight | Int4Weight, device: str) -> None:
         self.weight = None
-        if isinstance(w, Int8Weight):
+        in_blocks = cpu_qmatmul.fits(*w.shape) and getattr(w, "group_size", cpu_qmatmul.BLOCK) == cpu_qmatmul.BLOCK
+        if device == "cpu" and in_blocks and quantized_kernel() == "blocks":
+            self._set_blocks(w)
+        elif isinstance(w, Int8Weight):
             self.register_buffer("scales", w.scales.to(device), persistent=False)
             self.register_buffer("qweight", w.qweight.to(device), persistent=False)
             if device == "cpu":
                 self.register_buffer("scales_bf16", w.scales.bfloat16(), persistent=False)
             self.format = "int8"
-            return
+        else:
+            self._set_int4(w, device)
+
+    def _set_blocks(self, w: Int8Weight | Int4Weight) -> None:
+        self.blocks = True
+        if isinstance(w, Int8Weight):
+            self.format, codes, scales, mins = "int8", cpu_qmatmul.pack_int8(w.qweight), w.scales.float(), None
+        else:
+            self.format, self.group_size = "int4", w.group_size
+            codes, scales, mins = cpu_qmatmul.pack_int4(w.nibbles(), w.scales, w.mins)
+        for name, tensor in (("codes", codes), ("scales", scales.contiguous()), ("mins", mins)):
+            self.register_buffer(name, tensor, persistent=False)
+
+    def _set_int4(self, w: Int4Weight, device: str) -> None:
         self.group_size, self.format = w.group_size, "int4"
         if device == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.nibbles(), 1)
@@ -118,6 +140,8 @@ class Linear(nn.Module):
 
     def dequantized_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight in ``dtype``: the embedding lookup of a tied int8 matrix."""
+        if self.format == "int8" and self.blocks:
+            return cpu_qmatmul.int8_rows(self.codes, self.scales, self.in_features, ids).to(dtype)
         if self.format == "int8":
             return (self.qweight[ids].to(torch.float32) * self.scales[ids, None]).to(dtype)
         raise ValueError(f"no row lookup for {self.format} weights")
@@ -146,7 +170,9 @@ class Embedding(nn.Module):
 
 def linear_bytes(module: Linear) -> int:
     """Bytes of the weight as stored (packed and quantized forms included, the bias not)."""
-    if module.format == "int4":
+    if module.blocks:
+        names = ["codes", "scales", "mins"]
+    elif module.format == "int4":
         names = ["packed", "scales_and_zeros"] if hasattr(module, "packed") else ["qweight", "scales", "mins"]
     else:
         names = {"dense": ["weight"], "onednn": ["packed"], "int8": ["qweight", "scales", "scales_bf16"]}[module.format]

@@ -10,7 +10,7 @@ import torch
 
 from gpushare import kernels
 from gpushare.models.config import config_from_gguf, config_from_hf
-from gpushare.models.cpu_kernels import wide_int8_kernel
+from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
 from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
@@ -111,7 +111,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     del state
     if device == "cpu":  # measured or built here, not in the first request's step
         kernels.prepare_cpu()
-        if info["weights"] == "int8":
+        if info["weights"] == "int8" and quantized_kernel() == "torch":
             wide_int8_kernel()
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],

@@ -15,6 +15,7 @@ from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_OUTPUT_TENSORS = ("token_embd.weight", "output.weight")  # GGUF names
 # Chat models end a turn with one of these even when the metadata names another EOS.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
                     "<|end|>")
@@ -71,8 +72,10 @@ def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu
 
 
 def matrix_types(tensors) -> set[str]:
-    """GGUF type names of the file's matrices: what ``auto`` weights are chosen from."""
-    return {t.tensor_type.name for t in tensors if len(t.shape) == 2}
+    """GGUF type names of the layers' matrices: what ``auto`` weights are chosen from. The embedding and
+    output matrices are left out: they are int8 under int4 weights too (weight_format.target_of), so a
+    Q4 file with a Q8_0 or Q6_K embedding is still a 4-bit file."""
+    return {t.tensor_type.name for t in tensors if len(t.shape) == 2 and t.name not in _OUTPUT_TENSORS}
 
 
 def gguf_info(meta: dict, config: ModelConfig, weights: str | None = None) -> dict:
