@@ -1,6 +1,7 @@
 """Load time: seconds per GB of GGUF blocks turned into float32, per quant type, before (gguf.quants'
 numpy, what every type but Q4_0/Q4_1/Q8_0 went through) and after (gpushare.models.dequant's torch);
-then whole loads of the bundled SmolLM2 GGUF per weight format.
+then whole loads of the bundled SmolLM2 GGUF per weight format, their time and their memory (each
+format once more in a fresh process: its RSS after the load, and the peak RSS during it).
 
     .venv/bin/python benchmarks/load.py            # 256 MiB of blocks per type, 3 whole loads each
     .venv/bin/python benchmarks/load.py --quick    # 4 MiB per type, 1 whole load: a smoke run
@@ -11,7 +12,10 @@ else running; the figures depend on --threads.
 """
 
 import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -63,6 +67,24 @@ def whole_loads(weights: list[str], reps: int) -> None:
         print(f"{fmt:10}{best / gb:8.2f}", flush=True)
 
 
+def load_memory(weights: list[str]) -> None:
+    print("\nmemory of one load in a fresh process, MiB (RSS after the load; the peak RSS during it)")
+    print(f"{'weights':10}{'stored':>8}{'after':>8}{'peak':>8}{'peak/after':>12}")
+    for fmt in weights:
+        done = subprocess.run([sys.executable, __file__, "--memory-of", fmt], capture_output=True, text=True, check=True)
+        m = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{fmt:10}{m['stored']:8.0f}{m['after']:8.0f}{m['peak']:8.0f}{m['peak'] / m['after']:11.2f}x", flush=True)
+
+
+def memory_of(fmt: str) -> None:
+    loaded = load_model(find_gguf(), weights=fmt)
+    gc.collect()
+    # VmHWM, not ru_maxrss: an exec keeps the forking parent's ru_maxrss, a fresh address space its own mark
+    with open("/proc/self/status") as f:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmHWM"))}
+    print(json.dumps({"stored": loaded.weight_bytes / 2**20, "after": kib["VmRSS"] / 1024, "peak": kib["VmHWM"] / 1024}))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smoke run: small inputs, one repetition")
@@ -70,11 +92,16 @@ def main() -> int:
     p.add_argument("--weights", nargs="+", default=["float32", "int8", "int4"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--memory-of", help=argparse.SUPPRESS)  # the child of load_memory
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_of:
+        memory_of(args.memory_of)
+        return 0
     mib, reps = (4, 1) if args.quick else (args.mib, args.reps)
     per_type(mib << 20, reps)
     whole_loads(args.weights, reps)
+    load_memory(args.weights)
     return 0
 
 

@@ -19,10 +19,11 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 ``[N, K]`` -> uint8 ``[N/16, K/4, 16, 4]`` (flat), each code + 128."""
+    """int8 ``[N, K]`` -> uint8 ``[N/16, K/4, 16, 4]`` (flat), each code + 128: flipping the sign bit of
+    a two's-complement byte adds 128, in place on the one copy the new layout needs."""
     n, k = qweight.shape
-    tiles = qweight.view(n // LANES, LANES, k // 4, 4).permute(0, 2, 1, 3)
-    return (tiles.to(torch.int16) + 128).to(torch.uint8).contiguous().view(-1)
+    tiles = qweight.view(torch.uint8).view(n // LANES, LANES, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return tiles.bitwise_xor_(0x80).view(-1)
 
 
 def int8_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:

@@ -268,3 +268,21 @@ def test_unknown_weights_value_is_a_config_error_naming_the_key(section, smollm2
     key = r"engine\.weights" if section == "engine" else r"models\[0\]\.weights"
     with pytest.raises(ConfigError, match=rf"{key}: must be one of auto, int8, int4, bfloat16, float16, float32"):
         parse_settings(raw, env={})
+
+
+@pytest.mark.parametrize("target", ["int8", "int4"])
+def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smollm2_path, target, monkeypatch):
+    """The Q8_0 embedding (49,152 rows) goes to int8 or int4 in slices of rows, equal to converting it whole."""
+    from gpushare.models import gguf_file
+    from gpushare.models.gguf_reader import open_gguf
+
+    _, tensors = open_gguf(smollm2_path)
+    embedding = next(t for t in tensors if t.name == "token_embd.weight")
+    shape = [int(d) for d in reversed(embedding.shape)]
+    whole = quantize("w", gguf_file._dense(embedding.data, "Q8_0", shape), target)
+    monkeypatch.setattr(gguf_file, "QUANTIZE_ROWS", 5000)  # ten slices, the last one short
+    monkeypatch.setattr("gpushare.models.weight_format.target_of", lambda name, weights: target)
+    sliced = gguf_file._convert(embedding, "w", shape, target)
+    assert type(sliced) is type(whole) and torch.equal(sliced.qweight, whole.qweight)
+    assert torch.equal(sliced.scales, whole.scales)
+    assert target == "int8" or torch.equal(sliced.mins, whole.mins)

@@ -8,7 +8,9 @@ import torch
 from gpushare.models import weight_format
 from gpushare.models.dequant import dequantize
 from gpushare.models.gguf_reader import GGUFError
-from gpushare.models.quantized import int4_from_gguf, permute_rows, quantize
+from gpushare.models.quantized import Int4Weight, int4_from_gguf, permute_rows, quantize, stack_rows
+
+QUANTIZE_ROWS = 4096  # rows dequantized at a time on the way to int8 or int4
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -52,28 +54,37 @@ def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def _dense(tensor, shape: list[int]) -> torch.Tensor:
+def _dense(data, type_name: str, shape: list[int]) -> torch.Tensor:
+    """float32 ``shape`` from a tensor's ``data`` (all its rows, or some of them) of GGUF type ``type_name``."""
     from gguf import GGMLQuantizationType, quants
 
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return torch.from_numpy(np.array(tensor.data, dtype=np.float32).reshape(shape))
-    weights = dequantize(tensor.data, tensor.tensor_type.name, shape)
+    if type_name in ("F32", "F16"):
+        return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+    weights = dequantize(data, type_name, shape)
     if weights is None:
-        weights = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape))
+        weights = torch.from_numpy(quants.dequantize(np.asarray(data), GGMLQuantizationType[type_name]).reshape(shape))
     return weights
 
 
 def _convert(tensor, name: str, shape: list[int], weights: str):
     """One tensor in the model's format: float32, or quantized straight from its blocks where they
-    map exactly (Q4_0/Q4_1 -> int4), else through a float32 copy of this tensor alone."""
+    map exactly (Q4_0/Q4_1 -> int4), else through float32 copies of QUANTIZE_ROWS rows at a time
+    (so that a load's peak stays near the model's final size: for SmolLM2's Q8_0 embedding, 9 MB
+    at once rather than 113 MB and its temporaries)."""
     target = weight_format.target_of(name, weights)
+    type_name = tensor.tensor_type.name
     if target is None:
-        return _dense(tensor, shape)
+        return _dense(tensor.data, type_name, shape)
     if target == "int4":
-        exact = int4_from_gguf(tensor.data, tensor.tensor_type.name, shape)
+        exact = int4_from_gguf(tensor.data, type_name, shape)
         if exact is not None:
             return exact
-    return quantize(name, _dense(tensor, shape), target)
+    rows = tensor.data.reshape(shape[0], -1)  # a row's blocks are contiguous in every GGUF type
+    chunks = (_dense(rows[start:start + QUANTIZE_ROWS], type_name, [min(QUANTIZE_ROWS, shape[0] - start), shape[1]])
+              for start in range(0, shape[0], QUANTIZE_ROWS))
+    first = quantize(name, next(chunks), target)  # logs a fallback to int8 once, if any
+    done = "int4" if isinstance(first, Int4Weight) else "int8"
+    return stack_rows([first, *(quantize(name, chunk, done) for chunk in chunks)])
 
 
 def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,
