@@ -8,7 +8,7 @@
 // in K order, one lane per output channel) whatever the number of rows or threads, so a row's result
 // is bit for bit the same alone and in any batch. With AVX-512 VNNI a block's products are vpdpbusd
 // (unsigned weight bytes times signed activation bytes); elsewhere a portable loop gives the same
-// numbers more slowly (kernels/cpu_qmatmul.py measures which kernel wins on the CPU at hand).
+// numbers more slowly (gpushare/models/cpu_kernels.py measures which kernel wins on the CPU at hand).
 //
 // Weight layouts, packed at load (cpu_qmatmul.py), in tiles of 16 output channels:
 // - int8: [N/16][K/4][16][4] bytes, each the code + 128; y[n] = scale[n] * sum over blocks.

@@ -286,3 +286,15 @@ def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smol
     assert type(sliced) is type(whole) and torch.equal(sliced.qweight, whole.qweight)
     assert torch.equal(sliced.scales, whole.scales)
     assert target == "int8" or torch.equal(sliced.mins, whole.mins)
+
+
+def test_the_wide_rows_verdict_measures_torchs_kernel_whatever_this_machine_runs(tmp_path, monkeypatch, request):
+    """wide_int8_kernel times torch's int8 paths, which its Linear must hold even where the block kernel
+    is this machine's choice (it packs weights otherwise, and has no plain int8 rows to time)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("GPUSHARE_CPU_WIDE_INT8", raising=False)
+    use_cpu_kernel("blocks", monkeypatch, request)
+    wide_int8_kernel.cache_clear()
+    request.addfinalizer(wide_int8_kernel.cache_clear)
+    assert wide_int8_kernel() in ("bfloat16", "int8pack")
+    assert verdict_file("wide-int8").read_text() == wide_int8_kernel()

@@ -132,6 +132,13 @@ def _keep(verdict: Path, choice: str) -> str:
     return choice
 
 
+def _fastest(totals: dict[str, float], what: str, timed: str) -> str:
+    """The choice with the least time in ``totals`` (seconds), logged with every choice's time."""
+    choice = min(totals, key=totals.get)
+    log.info("%s: %s (%s: %s)", what, choice, timed, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
+    return choice
+
+
 def _measure() -> str:
     import torch
 
@@ -148,10 +155,7 @@ def _measure() -> str:
         x = torch.randn(1, k, generator=gen)
         totals["int8"] += best_time_s(lambda: int8(x))
         totals["float32"] += best_time_s(lambda: dense(x))
-    choice = min(totals, key=totals.get)
-    log.info("CPU weights for quantized files: %s (batch-1 linears: %s)", choice,
-             ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
-    return choice
+    return _fastest(totals, "CPU weights for quantized files", "batch-1 linears")
 
 
 def _measure_kernel() -> str:
@@ -170,10 +174,7 @@ def _measure_kernel() -> str:
             totals["blocks"] += best_time_s(lambda: cpu_qmatmul.matmul(x, codes, w.scales, None, n))
             totals["torch"] += best_time_s(
                 lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w.qweight, scales_bf16).float())
-    choice = min(totals, key=totals.get)
-    log.info("CPU kernel for quantized weights: %s (int8 linears at 1 and 16 rows: %s)", choice,
-             ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
-    return choice
+    return _fastest(totals, "CPU kernel for quantized weights", "int8 linears at 1 and 16 rows")
 
 
 def _measure_wide() -> str:
@@ -187,12 +188,10 @@ def _measure_wide() -> str:
     for n, k in _SHAPES:
         linear = Linear(k, n, bias=False)
         linear.set_quantized(Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
-                                        torch.rand(n, generator=gen) / 1000), "cpu")
+                                        torch.rand(n, generator=gen) / 1000), "cpu", cpu_kernel="torch")
         x = torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16()
         totals["bfloat16"] += best_time_s(lambda: linear._int8_wide(x, _WIDE_MEASURE_ROWS))
         totals["int8pack"] += best_time_s(lambda: torch.ops.aten._weight_int8pack_mm(x, linear.qweight,
                                                                                     linear.scales_bf16))
-    choice = min(totals, key=totals.get)
-    log.info("int8 linears over prefill chunks of %d+ tokens: %s (at %d rows: %s)", WIDE_CHUNK_TOKENS, choice,
-             _WIDE_MEASURE_ROWS, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
-    return choice
+    return _fastest(totals, f"int8 linears over prefill chunks of {WIDE_CHUNK_TOKENS}+ tokens",
+                    f"at {_WIDE_MEASURE_ROWS} rows")

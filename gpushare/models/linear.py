@@ -80,10 +80,11 @@ class Linear(nn.Module):
             self.weight = None
             self.format = "onednn"
 
-    def set_quantized(self, w: Int8Weight | Int4Weight, device: str) -> None:
+    def set_quantized(self, w: Int8Weight | Int4Weight, device: str, cpu_kernel: str | None = None) -> None:
+        """``cpu_kernel``: "blocks" or "torch" on the CPU; None: this machine's (cpu_kernels.quantized_kernel)."""
         self.weight = None
-        in_blocks = cpu_qmatmul.fits(*w.shape) and getattr(w, "group_size", cpu_qmatmul.BLOCK) == cpu_qmatmul.BLOCK
-        if device == "cpu" and in_blocks and quantized_kernel() == "blocks":
+        in_blocks = cpu_qmatmul.fits(*w.shape) and (isinstance(w, Int8Weight) or w.group_size == cpu_qmatmul.BLOCK)
+        if device == "cpu" and in_blocks and (cpu_kernel or quantized_kernel()) == "blocks":
             self._set_blocks(w)
         elif isinstance(w, Int8Weight):
             self.register_buffer("scales", w.scales.to(device), persistent=False)
