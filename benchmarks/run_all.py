@@ -174,7 +174,7 @@ class Plan:
     budget_s: float | None  # stop starting new points after this long
 
 
-FULL = Plan((1, 2, 4, 8, 16, 32), (1, 8, 16), (0.25, 0.5, 0.75, 1.0, 1.25), (32, 128), (32, 128),
+FULL = Plan((1, 2, 4, 8, 16, 32, 64), (1, 8, 16), (0.25, 0.5, 0.75, 1.0, 1.25), (32, 128), (32, 128),
             min_prompts=16, prompts_per_concurrency=4, rate_prompts=64, rate_window_s=None, hf_batches=2, budget_s=None)
 QUICK = Plan((1, 8, 16), (1, 8, 16), (0.5, 1.0), (16, 64), (16, 32),
              min_prompts=4, prompts_per_concurrency=1, rate_prompts=12, rate_window_s=20.0, hf_batches=1,

@@ -5,10 +5,11 @@
 
 For each weight format: the offline LLM runs `batch` greedy streams of `--tokens` tokens after a
 short prompt; the figure is the median wall time of the decode steps (the engine's on_step hook
-times them). Then, the engine shut down, the model alone runs decode steps of the same batches on
+times them), on the fused decode path (models/fused_decode.py) where the model takes it and then
+layer by layer. Then, the engine shut down, the model alone runs decode steps of the same batches on
 this thread over `--context` cached tokens each under torch's profiler (which records the ops of
 the thread that started it, so not an engine thread's): the ops listed by self CPU time, lm_head
-included. Run it with nothing else on the machine.
+included, layer by layer. Run it with nothing else on the machine.
 """
 
 import argparse
@@ -78,13 +79,19 @@ def main() -> int:
         llm = LLM(model, weights=weights, num_threads=args.threads)
         try:
             for batch in args.batch:
-                decode_step_ms(llm, batch, 8)  # warm-up
-                ms = decode_step_ms(llm, batch, args.tokens)
-                print(f"{weights} ({llm.model.weights}) batch {batch}: {ms:.2f} ms per decode step, "
-                      f"{batch / ms * 1e3:.0f} tok/s", flush=True)
+                for fused in (True, False):
+                    llm.model.model.fused_decode = fused
+                    decode_step_ms(llm, batch, 8)  # warm-up
+                    ms = decode_step_ms(llm, batch, args.tokens)
+                    path = "fused" if fused and llm.model.model._decode_weights else "layer by layer"
+                    print(f"{weights} ({llm.model.weights}) batch {batch}, {path}: {ms:.2f} ms per decode step, "
+                          f"{batch / ms * 1e3:.0f} tok/s", flush=True)
+                    if path == "layer by layer":
+                        break
         finally:
             llm.shutdown()  # its engine thread ends, and its OpenMP team: this thread's alone is timed below
         torch.set_num_threads(args.threads)
+        llm.model.model.fused_decode = False  # op by op: the fused call hides its kernels from the profiler
         for batch in args.batch:
             print(f"{weights}: the model alone, 10 steps of batch {batch} at {args.context} tokens of context:")
             print(profiled(llm.model.model, batch, args), flush=True)

@@ -76,6 +76,23 @@ def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_ca
     return True
 
 
+def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int):
+    """Decode rows ``x`` through layers ``first_layer`` to ``first_layer + len(kv_caches)`` in one C++ call
+    (cpu_decode.cpp), given the model's ``weights`` (gpushare.models.fused_decode.DecodeWeights) and
+    those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them."""
+    if not (kv_caches and cos.dtype == torch.float32 and _cpp_cache(x, kv_caches[0][0])):
+        return None
+    k_parts = [_cache_parts(k) for k, _ in kv_caches]
+    v_parts = [_cache_parts(v) for _, v in kv_caches]
+    end = first_layer + len(kv_caches)
+    n, w = slice(2 * first_layer, 2 * end), slice(4 * first_layer, 4 * end)
+    return torch.ops.gpushare.decode_layers(
+        x, weights.norms[n], weights.codes[w], weights.scales[w], weights.mins[w], weights.out_features[w],
+        [p[0] for p in k_parts], [p[0] for p in v_parts], [p[1] for p in k_parts], [p[1] for p in v_parts],
+        cos, sin, slot_mapping, block_tables, context_lens, weights.q_heads, weights.kv_heads, weights.eps,
+        weights.attn_scale, weights.windows[first_layer:end], weights.softcap)
+
+
 def prepare_cpu() -> None:
     """Build (once per machine) and load the CPU's C++ kernels now rather than at first use."""
     _cpu_ops.loaded()

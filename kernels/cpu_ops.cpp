@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -144,6 +146,10 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     for (int64_t d = 0; d < dim; ++d) first_out[row * dim + d] /= sums[row];
 }
 
+}  // namespace
+
+namespace gpushare {
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                             const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale,
@@ -190,10 +196,18 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   return out;
 }
 
+}  // namespace gpushare
+
+namespace {
+
 // ---- the small ops around it, fused: one call where the torch path makes six to fifteen ----
 
 // y = x / sqrt(mean(x^2) + eps) * weight per row of float32 x [T, H]; with `residual`, x + residual
 // first, and that sum is returned too (the residual stream of the next block).
+}  // namespace
+
+namespace gpushare {
+
 std::vector<at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in,
                                  const at::Tensor& weight_in, double eps) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
@@ -223,6 +237,10 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at:
   return {out, sum};
 }
 
+}  // namespace gpushare
+
+namespace {
+
 inline void rotate_half(float* x, const float* cos, const float* sin, int64_t dim, float* scratch) {
   // as the torch path: x * cos + cat(-x[half:], x[:half]) * sin, each product rounded on its own
   const int64_t half = dim / 2;
@@ -246,6 +264,10 @@ void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, 
     std::copy(row, row + dim, c.row<float>(block, offset, head));
   }
 }
+
+}  // namespace
+
+namespace gpushare {
 
 // qkv [T, (Hq + 2 Hkv) * D] float32, the fused projection's output: RoPE on its q and k heads in
 // place, then k and v written to their cache slots. cos/sin [T, 1, D] (rows at any stride).
@@ -279,7 +301,7 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   });
 }
 
-}  // namespace
+}  // namespace gpushare
 
 TORCH_LIBRARY(gpushare, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
@@ -290,7 +312,7 @@ TORCH_LIBRARY(gpushare, m) {
 }
 
 TORCH_LIBRARY_IMPL(gpushare, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_and_cache", &rope_and_cache);
+  m.impl("decode_attention", &gpushare::decode_attention);
+  m.impl("rms_norm", &gpushare::rms_norm);
+  m.impl("rope_and_cache", &gpushare::rope_and_cache);
 }

@@ -1,4 +1,4 @@
-"""The CPU's C++ kernels (``cpu_ops.cpp``, ``cpu_qmatmul.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
+"""The CPU's C++ kernels (``cpu_ops.cpp``, ``cpu_qmatmul.cpp``, ``cpu_decode.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
 
 They are compiled with the system's C++ compiler for the CPU at hand (``-march=native``: the
 machines this runs on differ, AVX2-only to AVX-512) against the installed torch's headers, a few
@@ -22,7 +22,8 @@ import torch
 
 log = logging.getLogger("gpushare.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_qmatmul.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_qmatmul.cpp", "cpu_decode.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # -ffp-contract=off: no fused multiply-adds the torch path does not make (RoPE stays bit for bit)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
 BUILD_TIMEOUT_S = 300
@@ -44,7 +45,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where this machine's build is kept."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("|".join([*(s.read_text() for s in SOURCES), *FLAGS, torch.__version__, version, _cpu_identity()]).encode())
+    key = hashlib.sha256("|".join([*(s.read_text() for s in SOURCES + HEADERS), *FLAGS, torch.__version__, version, _cpu_identity()]).encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpushare"
     return cache / f"cpu-ops-{key.hexdigest()[:16]}.so"
 

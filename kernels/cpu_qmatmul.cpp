@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -244,6 +246,10 @@ bool has_vnni() {
 #endif
 }
 
+}  // namespace
+
+namespace gpushare {
+
 // x [M, K] float32; codes as packed above; bits 8 or 4; portable: the portable kernel even where VNNI is.
 at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, int64_t n, int64_t bits, bool portable) {
@@ -298,11 +304,11 @@ at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, con
   return out;
 }
 
-}  // namespace
+}  // namespace gpushare
 
 TORCH_LIBRARY_FRAGMENT(gpushare, m) {
   m.def("quantized_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, int bits, bool portable) -> Tensor");
   m.def("quantized_matmul_vnni() -> bool", &has_vnni);
 }
 
-TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("quantized_matmul", &quantized_matmul); }
+TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("quantized_matmul", &gpushare::quantized_matmul); }

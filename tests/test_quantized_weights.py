@@ -15,6 +15,7 @@ from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
 from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
 from gpushare.models.weight_format import planned_weights, resolve_weights
+from kernel_choice import use_cpu_kernel
 from model_files import gguf_to_hf_folder
 
 SMOLLM2_FLOAT32_BYTES = 134_515_008 * 4  # its parameters as float32, tied embedding once
@@ -122,17 +123,6 @@ def test_quantized_models_are_a_fraction_of_float32(smollm2_path):
     assert int4.weight_bytes <= 0.2 * SMOLLM2_FLOAT32_BYTES
     layer = int4.model.layers[0]
     assert layer.mlp.down_proj.format == "int4" and int4.model.lm_head.format.startswith("int8")
-
-
-def use_cpu_kernel(kernel: str, monkeypatch, request) -> None:
-    """Quantized weights on the CPU ``kernel`` for this test, whatever this machine's verdict."""
-    from gpushare.kernels import cpu_ops
-
-    if kernel == "blocks" and not cpu_ops.loaded():
-        pytest.skip("the C++ kernels do not build here")
-    monkeypatch.setenv("GPUSHARE_CPU_QUANTIZED_KERNEL", kernel)
-    quantized_kernel.cache_clear()
-    request.addfinalizer(quantized_kernel.cache_clear)
 
 
 @pytest.fixture(params=["blocks", "torch"])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpushare import kernels
+from gpushare.models import fused_decode
 from gpushare.models.config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
 from gpushare.models.quantized import Int8Weight, stack_rows
@@ -222,6 +223,12 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope", rope_table(config), persistent=False)
         self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
                              persistent=False)
+        self.fused_decode = True  # pure decode batches may run all layers in one call (models/fused_decode.py)
+        self._decode_weights: fused_decode.DecodeWeights | None | bool = False  # False: not gathered yet
+
+    def _apply(self, fn, recurse=True):
+        self._decode_weights = False  # the gathered weights are the old tensors
+        return super()._apply(fn, recurse)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
@@ -248,8 +255,16 @@ class LlamaModel(nn.Module):
         """Run layers until the last one (True) or until ``should_pause()`` says so after a layer (False).
 
         A paused pass resumes with the next call; meanwhile other sequences may run, since a pass
-        only writes its own tokens' cache slots.
+        only writes its own tokens' cache slots. A batch of decode rows alone runs a few layers a call
+        where the model allows (models/fused_decode.py), and may pause between two calls.
         """
+        if self.fused_decode and state.next_layer < len(self.layers):
+            if self._decode_weights is False:
+                self._decode_weights = fused_decode.decode_weights(self)
+            if self._decode_weights is not None:
+                done = fused_decode.run(self._decode_weights, state, kv_caches, should_pause)
+                if done is not None:
+                    return done
         while state.next_layer < len(self.layers):
             i = state.next_layer
             state.x = self.layers[i](state.x, state, kv_caches[i])

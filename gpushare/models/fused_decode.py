@@ -1,0 +1,84 @@
+"""The fused decode path: a batch of single-token rows runs its layers a few at a time in one C++ call
+(``kernels/cpu_decode.cpp``) where the model allows it, with the same numbers as layer by layer.
+
+Why: on the CPU a decode step at batch 1 is ~150 short parallel regions. Run from Python, each
+pays for the intra-op thread falling asleep in the gap before it (the workers' short OpenMP spin,
+kept short so that an idle engine leaves the cores to the API and other models); in one C++ call
+the gaps are a few microseconds and the thread stays awake.
+
+It takes a model whose every layer is SmolLM2's and Llama's shape: SwiGLU, no biases, no q/k or
+sandwich norms, one RoPE, every linear on the block kernel (int8 or int4), float32 activations, no
+tensor parallel. Anything else runs layer by layer, as does any batch with a prefill chunk. A
+step may still pause every few layers for an urgent prompt.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from gpushare import kernels
+
+# A step may pause between two calls for an urgent prompt (engine._pause): at 16 streams five of
+# SmolLM2's layers take ~2 ms, and six calls a step cost ~0.1 ms of wakes at batch 1.
+LAYERS_PER_CALL = 5
+
+
+@dataclass
+class DecodeWeights:
+    """A model's layers as ``kernels.decode_layers`` takes them: flat lists, layer after layer."""
+
+    norms: list[torch.Tensor]       # input and post-attention norm of each layer
+    codes: list[torch.Tensor]       # qkv, o, gate_up, down of each layer
+    scales: list[torch.Tensor]
+    mins: list[torch.Tensor | None]  # None: int8
+    out_features: list[int]
+    windows: list[int]
+    q_heads: int
+    kv_heads: int
+    eps: float
+    attn_scale: float
+    softcap: float
+
+
+def decode_weights(model) -> DecodeWeights | None:
+    """The model's layers for the fused call, or None where one of them is not of the shape it takes."""
+    config = model.config
+    if config.qk_norm or config.sandwich_norm or config.hidden_act != "silu" or config.attention_bias:
+        return None
+    if model.rope_local is not None or model.norm.weight.dtype != torch.float32:
+        return None
+    weights = DecodeWeights([], [], [], [], [], [], config.num_heads, config.num_kv_heads, config.rms_norm_eps,
+                            model.layers[0].self_attn.scale, config.attn_softcap or 0.0)
+    for layer in model.layers:
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if layer.reduce is not None or not all(linear.blocks and linear.bias is None for linear in linears):
+            return None
+        if layer.self_attn.scale != weights.attn_scale:
+            return None
+        weights.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        weights.codes += [linear.codes for linear in linears]
+        weights.scales += [linear.scales for linear in linears]
+        weights.mins += [linear.mins for linear in linears]
+        weights.out_features += [linear.out_features for linear in linears]
+        weights.windows.append(layer.self_attn.window)
+    return weights
+
+
+def run(weights: DecodeWeights, state, kv_caches, should_pause=None) -> bool | None:
+    """Run the layers from ``state.next_layer`` on, ``LAYERS_PER_CALL`` a call: True after the last one,
+    False where ``should_pause()`` said so between two calls (as ``LlamaModel.run_layers``); None, with
+    nothing done, where the batch or the kernels cannot (a prefill chunk, another device or dtype, no
+    C++ build)."""
+    batch, layers = state.batch, len(weights.windows)
+    if batch.num_prefill_tokens or state.x.dtype != torch.float32:
+        return None
+    while state.next_layer < layers:
+        first, end = state.next_layer, min(layers, state.next_layer + LAYERS_PER_CALL)
+        x = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
+                                  batch.decode_block_tables, batch.decode_context_lens, first)
+        if x is None:
+            return None
+        state.x, state.next_layer = x, end
+        if should_pause is not None and end < layers and should_pause():
+            return False
+    return True

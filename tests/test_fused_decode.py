@@ -1,0 +1,141 @@
+"""The fused decode path (models/fused_decode.py, kernels/cpu_decode.cpp): a decode step run a few
+layers a C++ call gives the same bits as layer by layer, pauses and resumes, and stays out of the
+models and batches it does not take."""
+
+import pytest
+import torch
+
+from gpushare import LLM, SamplingParams
+from gpushare.kernels.paged_attention_torch import Int8KV
+from gpushare.models import fused_decode
+from gpushare.models.llama import AttentionBatch
+from gpushare.models.loader import load_model
+from kernel_choice import use_cpu_kernel
+from model_files import random_llama_folder
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture
+def blocks(monkeypatch, request):
+    use_cpu_kernel("blocks", monkeypatch, request)
+
+
+def decode_inputs(model, contexts: list[int], int8_kv: bool, seed: int = 0):
+    """A decode step of one token per sequence over ``contexts`` cached tokens (random K/V): the
+    model's inputs and its caches."""
+    config, gen = model.config, torch.Generator().manual_seed(seed)
+    width = max(contexts) // BLOCK_SIZE + 1
+    shape = (len(contexts) * width, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+
+    def cache():
+        if int8_kv:
+            return Int8KV(torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen),
+                          torch.rand(shape[:3], generator=gen) / 50)
+        return torch.randn(shape, generator=gen)
+
+    caches = [(cache(), cache()) for _ in range(config.num_layers)]
+    tables = torch.arange(len(contexts) * width, dtype=torch.int32).view(len(contexts), width)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    slots = tables[torch.arange(len(contexts)), (lens - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (lens - 1) % BLOCK_SIZE
+    none = torch.zeros(0, dtype=torch.int32)
+    batch = AttentionBatch(slots, 0, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), none,
+                           tables, lens)
+    ids = torch.randint(0, 1000, (len(contexts),), generator=gen)
+    return ids, lens.long() - 1, caches, batch
+
+
+def copied(caches):
+    def one(c):
+        return Int8KV(c.data.clone(), c.scale.clone()) if isinstance(c, Int8KV) else c.clone()
+    return [(one(k), one(v)) for k, v in caches]
+
+
+def flat(caches):
+    return [t for pair in caches for c in pair for t in ((c.data, c.scale) if isinstance(c, Int8KV) else (c,))]
+
+
+def step(model, fused: bool, ids, positions, caches, batch, should_pause=None):
+    """Final hidden states of one decode step; ``should_pause`` as the engine's (resumed until done)."""
+    model.fused_decode = fused
+    state = model.start(ids, positions, batch)
+    while not model.run_layers(state, caches, should_pause):
+        pass
+    return model.finish(state)
+
+
+@pytest.mark.usefixtures("blocks")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("int8_kv", [False, True], ids=["float32 kv", "int8 kv"])
+def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, int8_kv):
+    model = load_model(smollm2_path, weights=weights).model
+    ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16], int8_kv)
+    fused_caches = copied(caches)
+    expected = step(model, False, ids, positions, caches, batch)
+    assert model._decode_weights is False  # layer by layer never gathers them
+    got = step(model, True, ids, positions, fused_caches, batch)
+    assert model._decode_weights is not None  # SmolLM2 on the block kernel: it took the fused path
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(flat(fused_caches), flat(caches)))  # the same K/V written
+    alone = step(model, True, ids[2:3], positions[2:3], copied(caches), AttentionBatch(
+        batch.slot_mapping[2:3], 0, batch.prefill_block_tables, batch.prefill_cu_seqlens, batch.prefill_context_lens,
+        batch.decode_block_tables[2:3], batch.decode_context_lens[2:3]))
+    assert torch.equal(alone[0], got[2])  # a row's bits do not depend on its neighbours
+
+
+@pytest.mark.usefixtures("blocks")
+def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, tmp_path):
+    folder = random_llama_folder(smollm2_path, str(tmp_path / "tiny"), layers=7, hidden=128, inter=256)
+    model = load_model(folder, weights="int8").model
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.window = [0, 5, 20][i % 3]
+    ids, positions, caches, batch = decode_inputs(model, [3, 40, 90], int8_kv=False, seed=1)
+    expected = step(model, False, ids, positions, copied(caches), batch)
+    assert torch.equal(step(model, True, ids, positions, copied(caches), batch), expected)
+
+    pauses = []
+    state = model.start(ids, positions, batch)
+    model.fused_decode = True
+    while not model.run_layers(state, caches, lambda: pauses.append(state.next_layer) or True):
+        pass
+    assert pauses == [fused_decode.LAYERS_PER_CALL]  # 7 layers: one pause, after the first call
+    assert torch.equal(model.finish(state), expected)
+
+
+@pytest.mark.usefixtures("blocks")
+def test_served_answers_are_the_same_with_and_without_it(smollm2_path, monkeypatch):
+    """Through the engine: the same greedy tokens and log-probabilities, bit for bit, with the fused
+    call taking the decode steps."""
+    calls = []
+    real = fused_decode.kernels.decode_layers
+    monkeypatch.setattr(fused_decode.kernels, "decode_layers", lambda *a: calls.append(1) or real(*a))
+    llm = LLM(smollm2_path, weights="int4", num_threads=2, enable_prefix_caching=False)
+    prompts = [[{"role": "user", "content": f"Write a short poem about the number {i}."}] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    try:
+        answers = {}
+        for fused in (False, True):
+            llm.model.model.fused_decode = fused
+            calls.clear()
+            answers[fused] = [(o.token_ids, o.logprobs) for o in llm.chat(prompts, params)]
+            assert bool(calls) == fused
+    finally:
+        llm.shutdown()
+    assert answers[True] == answers[False]
+
+
+def test_models_it_does_not_fit_run_layer_by_layer(smollm2_path, tmp_path, monkeypatch, request):
+    use_cpu_kernel("torch", monkeypatch, request)
+    assert fused_decode.decode_weights(load_model(smollm2_path, weights="int8").model) is None  # torch's kernel
+    use_cpu_kernel("blocks", monkeypatch, request)
+    assert fused_decode.decode_weights(load_model(smollm2_path, weights="float32").model) is None  # dense
+    model = load_model(random_llama_folder(smollm2_path, str(tmp_path / "tiny"), hidden=128, inter=256),
+                       weights="int8").model
+    model.layers[1].self_attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(256), requires_grad=False)
+    assert fused_decode.decode_weights(model) is None  # a bias the C++ call does not add
+    model.layers[1].self_attn.qkv_proj.bias = None
+    assert fused_decode.decode_weights(model) is not None
+    ids, positions, caches, batch = decode_inputs(model, [5, 9], int8_kv=False)
+    monkeypatch.setenv("GPUSHARE_KERNELS", "torch")  # no C++: layer by layer, the same answer
+    state = model.start(ids, positions, batch)
+    assert fused_decode.run(fused_decode.decode_weights(model), state, caches) is None and state.next_layer == 0
