@@ -51,8 +51,8 @@ def _cache_parts(cache) -> tuple:
 
 
 def _cpp_cache(x, cache) -> bool:
-    """Whether the C++ kernels take float32 ``x`` with a float32 or int8 ``cache``."""
-    return _cache_parts(cache)[0].dtype in (torch.float32, torch.int8) and _cpp_float32(x)
+    """Whether the C++ kernels take float32 ``x`` with a float32, bfloat16 or int8 ``cache``."""
+    return _cache_parts(cache)[0].dtype in (torch.float32, torch.bfloat16, torch.int8) and _cpp_float32(x)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

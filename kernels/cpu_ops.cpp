@@ -7,7 +7,7 @@
 // threads; each item's arithmetic is the same whatever the batch or the thread count (fixed lanes,
 // fixed order), so a sequence's result is bit for bit the same alone and in any batch.
 //
-// q [B, Hq, D] float32; k_cache/v_cache [num_blocks, block_size, Hkv, D], float32 or int8 (then
+// q [B, Hq, D] float32; k_cache/v_cache [num_blocks, block_size, Hkv, D], float32, bfloat16 or int8 (then
 // k_scale/v_scale [num_blocks, block_size, Hkv] float32: value = data * scale), the last dim
 // contiguous, blocks at any stride; block_tables [B, W] int32; context_lens [B] int32 (the current
 // token included). window > 0 keeps the last `window` keys; softcap > 0 caps scores as tanh(s/c)*c.
@@ -23,6 +23,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -40,6 +44,51 @@ inline float dot(const float* q, const T* k, int64_t n) {
   for (; d < n; ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
 }
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16(const c10::BFloat16* p) {  // a bfloat16 is a float32's upper half
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
+// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
+// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
+// alone spends most of its time in that tree (a reduction across a register); 16 share it.
+template <typename T>
+inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
+  }
+  __m512 half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; ++i)  // width 8: rows 2i, 2i+1 -> their 8 sums side by side
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                            _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // width 4: rows 4i .. 4i+3, 4 sums each, a row per 128-bit lane
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // width 2: lane l holds rows 8i + l and 8i + 4 + l, 2 sums each
+    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // width 1: lane l holds rows l, 4 + l, 8 + l, 12 + l
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
+}
+#endif
 
 // e^x for x <= 0 (scores minus their maximum), written so that the compiler vectorizes a loop of it:
 // Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial), within 2 ulp of expf.
@@ -66,7 +115,8 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 }
 
 struct Cache {
-  char* data;  // float or int8 rows
+  char* data;  // float32, bfloat16 or int8 rows
+  at::ScalarType type;
   float* scale;  // int8 only: one per (block, offset, head)
   int64_t block_stride, row_stride, head_stride;  // in elements
   int64_t scale_block, scale_row, scale_head;
@@ -85,15 +135,16 @@ struct Cache {
 
 Cache cache_of(const at::Tensor& values, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(values.dim() == 4 && values.stride(3) == 1, "a KV cache is [blocks, block_size, heads, dim], dim contiguous");
-  Cache c{static_cast<char*>(values.data_ptr()), nullptr, values.stride(0), values.stride(1), values.stride(2),
-          0, 0, 0};
+  Cache c{static_cast<char*>(values.data_ptr()), values.scalar_type(), nullptr, values.stride(0), values.stride(1),
+          values.stride(2), 0, 0, 0};
   if (values.scalar_type() == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->dim() == 3,
                 "an int8 KV cache needs float32 scales [blocks, block_size, heads]");
     c.scale = scale->data_ptr<float>();
     c.scale_block = scale->stride(0), c.scale_row = scale->stride(1), c.scale_head = scale->stride(2);
   } else {
-    TORCH_CHECK(values.scalar_type() == at::kFloat, "the KV cache must be float32 or int8");
+    TORCH_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kBFloat16,
+                "the KV cache must be float32, bfloat16 or int8");
   }
   return c;
 }
@@ -107,7 +158,31 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
             float scale, float softcap, std::vector<float>& scores) {
   const int64_t n = length - start, rows = (last_head - first_head) * group;  // query heads handled
   scores.resize(rows * n);
-  for (int64_t t = start; t < length; ++t) {
+  int64_t t = start;
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {  // 16 tokens at a time, the same bits as one by one below
+    const T* keys[16];
+    float dots[16], k_scales[16];
+    for (; t + 16 <= length; t += 16)
+      for (int64_t head = first_head; head < last_head; ++head) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t block = table[(t + i) / block_size], offset = (t + i) % block_size;
+          keys[i] = kc.row<T>(block, offset, head);
+          k_scales[i] = kc.row_scale(block, offset, head);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = (head - first_head) * group + g;
+          dot16(q + (head * group + g) * dim, keys, dim, dots);
+          for (int i = 0; i < 16; ++i) {
+            float s = dots[i] * k_scales[i] * scale;
+            if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+            scores[row * n + t + i - start] = s;
+          }
+        }
+      }
+  }
+#endif
+  for (; t < length; ++t) {
     const int64_t block = table[t / block_size], offset = t % block_size;
     for (int64_t head = first_head; head < last_head; ++head) {
       const T* k = kc.row<T>(block, offset, head);
@@ -164,7 +239,6 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   TORCH_CHECK(k_cache.size(3) == dim && q_heads % kv_heads == 0, "q and the KV cache disagree on heads or dim");
   TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one block table and length per sequence");
   const Cache kc = cache_of(k_cache, k_scale), vc = cache_of(v_cache, v_scale);
-  const bool int8 = k_cache.scalar_type() == at::kChar;
   const int64_t group = q_heads / kv_heads;
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -183,14 +257,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
       const int64_t b = item / items_per_seq, first = (item % items_per_seq) * heads_per_item;
       const int64_t length = lp[b], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       const int64_t offset = b * q_heads * dim;
-      if (int8)
-        attend<int8_t>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
-                       first + heads_per_item, group, dim, static_cast<float>(scale), static_cast<float>(softcap),
-                       scores);
+      const auto run = [&](auto element) {
+        attend<decltype(element)>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
+                                  first + heads_per_item, group, dim, static_cast<float>(scale),
+                                  static_cast<float>(softcap), scores);
+      };
+      if (kc.type == at::kChar)
+        run(int8_t{});
+      else if (kc.type == at::kBFloat16)
+        run(c10::BFloat16{});
       else
-        attend<float>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
-                      first + heads_per_item, group, dim, static_cast<float>(scale), static_cast<float>(softcap),
-                      scores);
+        run(float{});
     }
   });
   return out;
@@ -260,6 +337,9 @@ void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, 
     int8_t* out = c.row<int8_t>(block, offset, head);
     for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::nearbyint(row[d] / scale));
     *c.scale_at(block, offset, head) = scale;
+  } else if (c.type == at::kBFloat16) {  // rounded to nearest even, as torch's .to(torch.bfloat16)
+    c10::BFloat16* out = c.row<c10::BFloat16>(block, offset, head);
+    for (int64_t d = 0; d < dim; ++d) out[d] = c10::BFloat16(row[d]);
   } else {
     std::copy(row, row + dim, c.row<float>(block, offset, head));
   }

@@ -1,5 +1,5 @@
 """The CPU's C++ kernels (kernels/cpu_ops.cpp): decode attention against the float64 reference of
-test_kernels and against the torch path: float32 and int8 caches, GQA, odd head dims, and the
+test_kernels and against the torch path: float32, bfloat16 and int8 caches, GQA, odd head dims, and the
 same bits for a sequence alone and in any batch (windows and soft caps: test_kernels_window); RMSNorm
 with its residual add; RoPE with the cache write, bit for bit the torch path."""
 
@@ -38,6 +38,20 @@ def test_int8_cache_matches_the_torch_path(window, softcap):
     out = CppDecode.decode_attention(q, k8, v8, tables, context_lens, 0.125, window, softcap)
 
     expected = paged_attention_torch.decode_attention(q, k8, v8, tables, context_lens, 0.125, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_bfloat16_cache_matches_the_torch_path(window):
+    gen = torch.Generator().manual_seed(5)
+    context_lens = torch.tensor([1, 19, 64, 150], dtype=torch.int32)
+    k_cache, v_cache, tables = paged_cache(gen, torch.bfloat16, 16, 64, context_lens.tolist())
+    q = torch.randn(len(context_lens), NUM_KV_HEADS * 3, 64, generator=gen)
+
+    out = CppDecode.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window)
+
+    expected = paged_attention_torch.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window)
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -82,8 +96,8 @@ def test_rms_norm_with_and_without_the_residual():
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5)[0][3:4], alone)  # a row alone or among others
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float32-cache", "int8-cache"])
-def test_rope_and_cache_is_the_torch_path_bit_for_bit(int8):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_rope_and_cache_is_the_torch_path_bit_for_bit(cache_dtype):
     from gpushare import kernels
     from gpushare.models.llama import apply_rope
 
@@ -97,9 +111,9 @@ def test_rope_and_cache_is_the_torch_path_bit_for_bit(int8):
 
     def caches():
         shape = (blocks, block_size, kv_heads, dim)
-        if int8:
+        if cache_dtype == torch.int8:
             return [Int8KV(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:-1])) for _ in "kv"]
-        return [torch.zeros(shape) for _ in "kv"]
+        return [torch.zeros(shape, dtype=cache_dtype) for _ in "kv"]
 
     expected_caches = caches()
     q, k, v = qkv.clone().split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
@@ -112,7 +126,7 @@ def test_rope_and_cache_is_the_torch_path_bit_for_bit(int8):
 
     assert torch.equal(qkv[:, :q_heads * dim].view(tokens, q_heads, dim), expected_q)
     for fused, expected in zip(fused_caches, expected_caches):
-        if int8:
+        if cache_dtype == torch.int8:
             assert torch.equal(fused.data, expected.data) and torch.equal(fused.scale, expected.scale)
         else:
             assert torch.equal(fused, expected)

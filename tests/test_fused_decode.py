@@ -21,7 +21,7 @@ def blocks(monkeypatch, request):
     use_cpu_kernel("blocks", monkeypatch, request)
 
 
-def decode_inputs(model, contexts: list[int], int8_kv: bool, seed: int = 0):
+def decode_inputs(model, contexts: list[int], kv_dtype=torch.float32, seed: int = 0):
     """A decode step of one token per sequence over ``contexts`` cached tokens (random K/V): the
     model's inputs and its caches."""
     config, gen = model.config, torch.Generator().manual_seed(seed)
@@ -29,10 +29,10 @@ def decode_inputs(model, contexts: list[int], int8_kv: bool, seed: int = 0):
     shape = (len(contexts) * width, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
 
     def cache():
-        if int8_kv:
+        if kv_dtype == torch.int8:
             return Int8KV(torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen),
                           torch.rand(shape[:3], generator=gen) / 50)
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen).to(kv_dtype)
 
     caches = [(cache(), cache()) for _ in range(config.num_layers)]
     tables = torch.arange(len(contexts) * width, dtype=torch.int32).view(len(contexts), width)
@@ -66,10 +66,10 @@ def step(model, fused: bool, ids, positions, caches, batch, should_pause=None):
 
 @pytest.mark.usefixtures("blocks")
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("int8_kv", [False, True], ids=["float32 kv", "int8 kv"])
-def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, int8_kv):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, kv_dtype):
     model = load_model(smollm2_path, weights=weights).model
-    ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16], int8_kv)
+    ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16], kv_dtype)
     fused_caches = copied(caches)
     expected = step(model, False, ids, positions, caches, batch)
     assert model._decode_weights is False  # layer by layer never gathers them
@@ -89,7 +89,7 @@ def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, t
     model = load_model(folder, weights="int8").model
     for i, layer in enumerate(model.layers):
         layer.self_attn.window = [0, 5, 20][i % 3]
-    ids, positions, caches, batch = decode_inputs(model, [3, 40, 90], int8_kv=False, seed=1)
+    ids, positions, caches, batch = decode_inputs(model, [3, 40, 90], seed=1)
     expected = step(model, False, ids, positions, copied(caches), batch)
     assert torch.equal(step(model, True, ids, positions, copied(caches), batch), expected)
 
@@ -135,7 +135,7 @@ def test_models_it_does_not_fit_run_layer_by_layer(smollm2_path, tmp_path, monke
     assert fused_decode.decode_weights(model) is None  # a bias the C++ call does not add
     model.layers[1].self_attn.qkv_proj.bias = None
     assert fused_decode.decode_weights(model) is not None
-    ids, positions, caches, batch = decode_inputs(model, [5, 9], int8_kv=False)
+    ids, positions, caches, batch = decode_inputs(model, [5, 9])
     monkeypatch.setenv("GPUSHARE_KERNELS", "torch")  # no C++: layer by layer, the same answer
     state = model.start(ids, positions, batch)
     assert fused_decode.run(fused_decode.decode_weights(model), state, caches) is None and state.next_layer == 0
