@@ -1,5 +1,5 @@
-// Decode layers in one call: a batch of single-token rows through every remaining layer of a Llama-
-// shaped model whose linears are all cpu_qmatmul's, calling the same kernels in the same order as
+// Decode layers in one call: a batch of single-token rows through the layers given (a few of a Llama-
+// shaped model whose linears are all cpu_qmatmul's), calling the same kernels in the same order as
 // the Python path (gpushare/models/llama.py), so the numbers are bit for bit the same.
 //
 // Why: a decode step at batch 1 is ~150 parallel regions (five a layer), each a few tens of

@@ -48,12 +48,10 @@ def decode_weights(model) -> DecodeWeights | None:
     if model.rope_local is not None or model.norm.weight.dtype != torch.float32:
         return None
     weights = DecodeWeights([], [], [], [], [], [], config.num_heads, config.num_kv_heads, config.rms_norm_eps,
-                            model.layers[0].self_attn.scale, config.attn_softcap or 0.0)
+                            model.layers[0].self_attn.scale, config.attn_softcap or 0.0)  # every layer's alike
     for layer in model.layers:
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         if layer.reduce is not None or not all(linear.blocks and linear.bias is None for linear in linears):
-            return None
-        if layer.self_attn.scale != weights.attn_scale:
             return None
         weights.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         weights.codes += [linear.codes for linear in linears]

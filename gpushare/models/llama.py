@@ -223,7 +223,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope", rope_table(config), persistent=False)
         self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
                              persistent=False)
-        self.fused_decode = True  # pure decode batches may run all layers in one call (models/fused_decode.py)
+        self.fused_decode = True  # pure decode batches may run a few layers a C++ call (models/fused_decode.py)
         self._decode_weights: fused_decode.DecodeWeights | None | bool = False  # False: not gathered yet
 
     def _apply(self, fn, recurse=True):
