@@ -82,7 +82,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_threads: int | None = None  # torch threads for the engine; None: torch's choice
-    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16 on CUDA, float32 on CPU (engine/engine_config.kv_dtype_name)
+    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16, float32 for float32 weights on CPU (engine_config.kv_dtype_name)
 
 
 @dataclass

@@ -60,7 +60,7 @@ def check_kv_dtype(settings: Settings) -> None:
 
     try:
         for worker in plan_workers(settings).workers:
-            kv_dtype_name(settings.engine.kv_dtype, worker.torch_device)
+            kv_dtype_name(settings.engine.kv_dtype, worker.torch_device, settings.engine.weights)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -99,7 +99,7 @@ def engine_config(settings: Settings, plan):
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         block_size=e.block_size, num_threads=e.num_threads or plan.torch_threads,
                         prefix_cache=settings.prefix_cache_scope, cpus=plan.cpus, device=plan.torch_device,
-                        kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype)
+                        kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype, weights=e.weights)
 
 
 def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:

@@ -30,17 +30,17 @@ class LLM:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, num_threads: int | None = None, weights: str = "auto",
                  kv_dtype: str = "auto", enable_prefix_caching: bool = True):
         """``dtype``: activations; ``weights``: the weight format, ``auto`` as the daemon's default (int4
-        for a 4-bit GGUF, int8 for other quantized ones); ``kv_dtype``: the KV cache's (``auto``: float32 on the CPU).
+        for a 4-bit GGUF, int8 for other quantized ones); ``kv_dtype``: the KV cache's (``auto``: bfloat16, float32 with float32 weights on the CPU).
         ``weights="float32"`` with ``dtype="float32"`` is the exact path. ``enable_prefix_caching``: reuse
         the K/V of prompt blocks seen before (vLLM's name); their rows were computed in other chunks, so
-        with bfloat16 arithmetic (quantized weights) an answer may then differ in its last bits."""
+        where the torch attention runs (bfloat16 activations, GPUs) an answer may then differ in its last bits."""
         # loaded in a thread that ends, so that its OpenMP team does not slow the engine's (passing_threads.py)
         self.model = in_passing_thread(lambda: load_model(model, dtype=dtype, device=device,
                                                           weights=weights)).result()
         self.model_name = model
         self.engine = Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           block_size=block_size, num_threads=num_threads, device=device,
-                                          kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype,
+                                          kv_cache_bytes=kv_cache_bytes, kv_dtype=kv_dtype, weights=weights,
                                           prefix_cache="tenant" if enable_prefix_caching else "off"))
         self.engine.add_model(model, self.model)
         self.engine.start()

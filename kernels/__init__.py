@@ -1,9 +1,9 @@
 """Device kernels behind one dispatch point: paged attention and weight-only quantized matmul.
 
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
-forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU decode attention runs the
-C++ kernel (cpu_ops.py) where it builds, as do RMSNorm and RoPE with the cache write on float32
-rows, and the torch path runs otherwise (or with ``GPUSHARE_KERNELS=torch``).
+forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU attention runs the C++ kernel
+(cpu_ops.py) where it builds, a prompt's rows one by one as decode rows, as do RMSNorm and RoPE with
+the cache write on float32 rows, and the torch path runs otherwise (or with ``GPUSHARE_KERNELS=torch``).
 Nothing above this package knows which one ran.
 """
 
@@ -41,6 +41,11 @@ def _cpp_float32(x) -> bool:
     a path (it is read at each call, as ``_use_triton`` does)."""
     return not x.is_cuda and x.dtype == torch.float32 and not os.environ.get("GPUSHARE_KERNELS") \
         and _cpu_ops.loaded()
+
+
+def cpu_attention_runs() -> bool:
+    """Whether float32 rows on the CPU take the C++ attention (built, and no GPUSHARE_KERNELS override)."""
+    return not os.environ.get("GPUSHARE_KERNELS") and _cpu_ops.loaded()
 
 
 def _cache_parts(cache) -> tuple:
@@ -98,17 +103,34 @@ def prepare_cpu() -> None:
     _cpu_ops.loaded()
 
 
+def attention_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    """Every row of ``q [R, Hq, D]`` attends to its own sequence's first ``context_lens[r]`` cached tokens
+    (``block_tables [R, W]``: row r's sequence's table) in one C++ call (cpu_attention.cpp): a prompt's
+    rows computed as the decode rows they would be, so a token's numbers never depend on whether it was
+    prefilled or decoded, or with what. None, with nothing done, where the C++ kernels cannot take it."""
+    if not _cpp_cache(q, k_cache):
+        return None
+    (k_values, k_scale), (v_values, v_scale) = _cache_parts(k_cache), _cache_parts(v_cache)
+    return torch.ops.gpushare.decode_attention(q, k_values, v_values, k_scale, v_scale, block_tables, context_lens,
+                                               scale, window or 0, softcap or 0.0)
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
     """``window`` > 0: a sliding window of that many tokens; ``softcap`` > 0: tanh-capped scores."""
-    if _cpp_cache(q, k_cache):
-        (k_values, k_scale), (v_values, v_scale) = _cache_parts(k_cache), _cache_parts(v_cache)
-        return torch.ops.gpushare.decode_attention(q, k_values, v_values, k_scale, v_scale, block_tables,
-                                                   context_lens, scale, window or 0, softcap or 0.0)
+    out = attention_by_row(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
+    if out is not None:
+        return out
     return _ops(q, _attention_torch).decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                       window, softcap)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
+    if _cpp_cache(q, k_cache):
+        cu = cu_seqlens_q.long()
+        seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+        lengths = context_lens.long()[seq] - cu[1:][seq] + torch.arange(q.shape[0]) + 1
+        return attention_by_row(q, k_cache, v_cache, block_tables.index_select(0, seq), lengths.int(), scale, window,
+                                softcap)
     return _ops(q, _attention_torch).prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                        context_lens, scale, window, softcap)
 

@@ -1,6 +1,7 @@
-// Decode layers in one call: a batch of single-token rows through the layers given (a few of a Llama-
-// shaped model whose linears are all cpu_qmatmul's), calling the same kernels in the same order as
-// the Python path (gpushare/models/llama.py), so the numbers are bit for bit the same.
+// Layers in one call: a step's rows through the layers given (a few of a Llama-shaped model whose
+// linears are all cpu_qmatmul's), calling the same kernels in the same order as the Python path
+// (gpushare/models/llama.py), so the numbers are bit for bit the same. Each row attends as a decode
+// row (block_tables and context_lens per row: its sequence's table, its position + 1), prompt rows too.
 //
 // Why: a decode step at batch 1 is ~150 parallel regions (five a layer), each a few tens of
 // microseconds. Between two regions run from Python, the intra-op thread waits out its short spin

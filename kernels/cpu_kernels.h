@@ -7,11 +7,13 @@
 
 namespace gpushare {
 
-// cpu_ops.cpp
+// cpu_attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap);
+
+// cpu_ops.cpp
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps);
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,

@@ -1,4 +1,4 @@
-"""The CPU's C++ kernels (``cpu_ops.cpp``, ``cpu_qmatmul.cpp``, ``cpu_decode.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
+"""The CPU's C++ kernels (``cpu_attention.cpp``, ``cpu_ops.cpp``, ``cpu_qmatmul.cpp``, ``cpu_decode.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
 
 They are compiled with the system's C++ compiler for the CPU at hand (``-march=native``: the
 machines this runs on differ, AVX2-only to AVX-512) against the installed torch's headers, a few
@@ -22,8 +22,8 @@ import torch
 
 log = logging.getLogger("gpushare.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_qmatmul.cpp", "cpu_decode.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_qmatmul.cpp", "cpu_decode.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_rows.h")]
 # -ffp-contract=off: no fused multiply-adds the torch path does not make (RoPE stays bit for bit)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
 BUILD_TIMEOUT_S = 300

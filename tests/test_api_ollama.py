@@ -115,9 +115,9 @@ def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon, served_ll
     # slabs it holds (an idle model may hold some: its cached prefixes, until it has been idle a while)
     assert raw["weights"] == served_llm.model.weights and raw["weight_bytes"] == served_llm.model.weight_bytes
     assert m.size == raw["weight_bytes"] + raw["kv_committed_bytes"]
-    assert raw["kv_dtype"] == "float32"  # engine.kv_dtype auto, on the CPU
-    # the whole pool is this model's to grow into: every block of it, float32 (4 bytes)
-    block_bytes = 2 * 30 * 3 * 64 * 4 * raw["kv_block_size"]  # k and v, 30 layers, 3 KV heads of 64
+    assert raw["kv_dtype"] == "bfloat16"  # engine.kv_dtype auto, quantized weights, on the CPU
+    # the whole pool is this model's to grow into: every block of it, bfloat16 (2 bytes)
+    block_bytes = 2 * 30 * 3 * 64 * 2 * raw["kv_block_size"]  # k and v, 30 layers, 3 KV heads of 64
     memory = http("GET", daemon.url + "/api/ps")[1]["memory"]
     assert raw["kv_blocks_total"] == memory["kv_pool_bytes"] // block_bytes
     assert memory["weight_bytes"] == served_llm.model.weight_bytes

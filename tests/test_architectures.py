@@ -60,7 +60,7 @@ def greedy(n=NEW_TOKENS):
 def test_last_position_logits_match_transformers(arch_model, source):
     arch, folder, gguf_path, prompts, _, oracle = arch_model
     loaded = load_model(folder if source == "safetensors" else gguf_path, weights="float32")
-    engine = Engine(EngineConfig(block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20))
+    engine = Engine(EngineConfig(block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20, weights="float32"))  # float32 KV
     engine.add_model(arch, loaded)
     worker = engine.workers[arch]
     ids = prompts[2]

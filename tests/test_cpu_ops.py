@@ -1,14 +1,15 @@
-"""The CPU's C++ kernels (kernels/cpu_ops.cpp): decode attention against the float64 reference of
-test_kernels and against the torch path: float32, bfloat16 and int8 caches, GQA, odd head dims, and the
-same bits for a sequence alone and in any batch (windows and soft caps: test_kernels_window); RMSNorm
-with its residual add; RoPE with the cache write, bit for bit the torch path."""
+"""The CPU's C++ kernels (kernels/cpu_attention.cpp, cpu_ops.cpp): attention against the float64 reference
+of test_kernels and against the torch path: float32, bfloat16 and int8 caches, GQA, odd head dims; the
+same bits for a sequence alone and in any batch, and for a prompt's rows prefilled, decoded one by one,
+or after a cached prefix (windows and soft caps: test_kernels_window); RMSNorm with its residual add;
+RoPE with the cache write, bit for bit the torch path."""
 
 import pytest
 import torch
 
 from gpushare.kernels import paged_attention_torch
 from gpushare.kernels.paged_attention_torch import Int8KV
-from test_kernels import LAYOUTS, NUM_KV_HEADS, CppDecode, check_decode, paged_cache
+from test_kernels import LAYOUTS, NUM_KV_HEADS, CppAttention, check_decode, check_prefill, paged_cache
 
 
 def int8_cache(cache):
@@ -19,12 +20,58 @@ def int8_cache(cache):
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size, head_dim", LAYOUTS)
 def test_decode_matches_reference(group, block_size, head_dim):
-    check_decode(CppDecode, torch.float32, block_size, head_dim, group, seed=block_size * 10 + group)
+    check_decode(CppAttention, torch.float32, block_size, head_dim, group, seed=block_size * 10 + group)
+
+
+@pytest.mark.usefixtures("nan_allocations")
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size, head_dim", LAYOUTS)
+def test_prefill_matches_reference(group, block_size, head_dim):
+    check_prefill(CppAttention, torch.float32, block_size, head_dim, group, seed=block_size * 10 + group)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "int8"])
+def test_prefill_over_narrow_caches_matches_the_torch_path(cache):
+    gen = torch.Generator().manual_seed(6)
+    q_lens, context_lens = [37, 9], [37, 70]
+    k_cache, v_cache, tables = paged_cache(gen, torch.float32, 16, 64, context_lens)
+    if cache == "int8":
+        k_cache, v_cache = int8_cache(k_cache), int8_cache(v_cache)
+    else:
+        k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), NUM_KV_HEADS * 3, 64, generator=gen)
+    cu = torch.tensor([0, 37, 46], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+
+    out = CppAttention.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+
+    expected = paged_attention_torch.prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_a_prompt_row_gets_the_same_bits_prefilled_decoded_or_after_a_cached_prefix(window):
+    gen = torch.Generator().manual_seed(7)
+    length = 150
+    k_cache, v_cache, tables = paged_cache(gen, torch.bfloat16, 16, 64, [length])
+    q = torch.randn(length, NUM_KV_HEADS * 3, 64, generator=gen)
+    whole = CppAttention.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, length], dtype=torch.int32),
+                                           torch.tensor([length], dtype=torch.int32), 0.125, window)
+    # the last 40 rows as a chunk after a cached prefix of 110, in one call with a chunk of 30 other rows
+    other_q = torch.randn(30, NUM_KV_HEADS * 3, 64, generator=gen)
+    chunk = CppAttention.prefill_attention(torch.cat([q[110:], other_q]), k_cache, v_cache, tables.repeat(2, 1),
+                                           torch.tensor([0, 40, 70], dtype=torch.int32),
+                                           torch.tensor([length, 30], dtype=torch.int32), 0.125, window)
+    assert torch.equal(chunk[:40], whole[110:])
+    for row in (0, 1, 15, 16, 17, 64, 149):
+        decoded = CppAttention.decode_attention(q[row:row + 1], k_cache, v_cache, tables,
+                                                torch.tensor([row + 1], dtype=torch.int32), 0.125, window)
+        assert torch.equal(decoded[0], whole[row]), row
 
 
 def test_head_dims_that_are_not_a_multiple_of_the_lanes():
-    check_decode(CppDecode, torch.float32, 16, 80, 3, seed=11)
-    check_decode(CppDecode, torch.float32, 16, 24, 2, seed=12)
+    check_decode(CppAttention, torch.float32, 16, 80, 3, seed=11)
+    check_decode(CppAttention, torch.float32, 16, 24, 2, seed=12)
 
 
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (21, 0.0), (0, 5.0)])
@@ -35,7 +82,7 @@ def test_int8_cache_matches_the_torch_path(window, softcap):
     k8, v8 = int8_cache(k_cache), int8_cache(v_cache)
     q = torch.randn(len(context_lens), NUM_KV_HEADS * 3, 64, generator=gen)
 
-    out = CppDecode.decode_attention(q, k8, v8, tables, context_lens, 0.125, window, softcap)
+    out = CppAttention.decode_attention(q, k8, v8, tables, context_lens, 0.125, window, softcap)
 
     expected = paged_attention_torch.decode_attention(q, k8, v8, tables, context_lens, 0.125, window, softcap)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
@@ -48,7 +95,7 @@ def test_bfloat16_cache_matches_the_torch_path(window):
     k_cache, v_cache, tables = paged_cache(gen, torch.bfloat16, 16, 64, context_lens.tolist())
     q = torch.randn(len(context_lens), NUM_KV_HEADS * 3, 64, generator=gen)
 
-    out = CppDecode.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window)
+    out = CppAttention.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window)
 
     expected = paged_attention_torch.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, window)
     assert out.dtype == torch.float32
@@ -60,14 +107,14 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch():
     context_lens = torch.tensor([7, 300, 45, 129, 1, 88], dtype=torch.int32)
     k_cache, v_cache, tables = paged_cache(gen, torch.float32, 16, 64, context_lens.tolist())
     q = torch.randn(len(context_lens), NUM_KV_HEADS * 4, 64, generator=gen)
-    batch = CppDecode.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125)
+    batch = CppAttention.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125)
     for i in range(len(context_lens)):
-        alone = CppDecode.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], context_lens[i:i + 1], 0.125)
+        alone = CppAttention.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], context_lens[i:i + 1], 0.125)
         assert torch.equal(alone[0], batch[i])
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        other_threads = CppDecode.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125)
+        other_threads = CppAttention.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(other_threads, batch)
@@ -77,7 +124,7 @@ def test_a_block_table_too_short_for_its_length_is_refused():
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache, tables = paged_cache(gen, torch.float32, 16, 64, [20])
     with pytest.raises(RuntimeError, match="exceeds its block table"):
-        CppDecode.decode_attention(torch.randn(1, NUM_KV_HEADS, 64), k_cache, v_cache, tables[:, :1],
+        CppAttention.decode_attention(torch.randn(1, NUM_KV_HEADS, 64), k_cache, v_cache, tables[:, :1],
                                    torch.tensor([40], dtype=torch.int32), 0.125)
 
 

@@ -1,6 +1,6 @@
-"""The fused decode path (models/fused_decode.py, kernels/cpu_decode.cpp): a decode step run a few
-layers a C++ call gives the same bits as layer by layer, pauses and resumes, and stays out of the
-models and batches it does not take."""
+"""The fused path (models/fused_decode.py, kernels/cpu_decode.cpp): a step run a few layers a C++ call,
+decode rows alone or with prompt chunks, gives the same bits as layer by layer, pauses and resumes,
+and stays out of the models it does not take."""
 
 import pytest
 import torch
@@ -45,6 +45,21 @@ def decode_inputs(model, contexts: list[int], kv_dtype=torch.float32, seed: int 
     return ids, lens.long() - 1, caches, batch
 
 
+def mixed_inputs(model, seed: int = 0):
+    """A step of two prompt chunks (20 rows after a cached prefix of 30; a fresh prompt of 12) and two
+    decode rows (over 37 and 200 cached tokens), random K/V in the caches."""
+    ids, positions, caches, batch = decode_inputs(model, [50, 12, 37, 200], seed=seed)
+    tables, bs = batch.decode_block_tables, BLOCK_SIZE
+    chunk_positions = torch.cat([torch.arange(30, 50), torch.arange(0, 12)])
+    chunk_tables = torch.cat([tables[0:1].expand(20, -1), tables[1:2].expand(12, -1)])
+    slots = torch.cat([chunk_tables[torch.arange(32), chunk_positions // bs].long() * bs + chunk_positions % bs,
+                       batch.slot_mapping[2:]])
+    mixed = AttentionBatch(slots, 32, tables[:2], torch.tensor([0, 20, 32], dtype=torch.int32),
+                           torch.tensor([50, 12], dtype=torch.int32), tables[2:], batch.decode_context_lens[2:])
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, 1000, (34,), generator=gen), torch.cat([chunk_positions, positions[2:]]), caches, mixed
+
+
 def copied(caches):
     def one(c):
         return Int8KV(c.data.clone(), c.scale.clone()) if isinstance(c, Int8KV) else c.clone()
@@ -81,6 +96,25 @@ def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, kv_dt
         batch.slot_mapping[2:3], 0, batch.prefill_block_tables, batch.prefill_cu_seqlens, batch.prefill_context_lens,
         batch.decode_block_tables[2:3], batch.decode_context_lens[2:3]))
     assert torch.equal(alone[0], got[2])  # a row's bits do not depend on its neighbours
+
+
+@pytest.mark.usefixtures("blocks")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_with_prompt_chunks_gives_the_layer_by_layer_bits(smollm2_path, kv_dtype):
+    model = load_model(smollm2_path, weights="int4").model
+    ids, positions, caches, batch = mixed_inputs(model)
+    caches = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in caches]
+    fused_caches = copied(caches)
+    expected = step(model, False, ids, positions, caches, batch)
+    got = step(model, True, ids, positions, fused_caches, batch)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(flat(fused_caches), flat(caches)))
+    # the fresh prompt's rows alone, as a step of their own: the same bits
+    alone_batch = AttentionBatch(batch.slot_mapping[20:32], 12, batch.prefill_block_tables[1:2],
+                                 torch.tensor([0, 12], dtype=torch.int32), torch.tensor([12], dtype=torch.int32),
+                                 torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    alone = step(model, True, ids[20:32], positions[20:32], copied(caches), alone_batch)
+    assert torch.equal(alone, got[20:32])
 
 
 @pytest.mark.usefixtures("blocks")

@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton 
 import pytest
 import torch
 
+from gpushare import kernels
 from gpushare.kernels import cpu_ops, paged_attention_torch
 from gpushare.kernels import paged_attention_triton
 from gpushare.kernels.paged_attention_torch import Int8KV
@@ -30,20 +31,31 @@ LAYOUTS = [pytest.param(16, 64, id="bs16-d64"), pytest.param(32, 128, id="bs32-d
 GROUPS = [pytest.param(g, id=f"gqa{g}") for g in (1, 3, 8)]
 
 
-class CppDecode:
-    """The CPU's C++ decode attention (kernels/cpu_ops.cpp, float32 queries) with the torch
-    path's signature, so the shared checks can call it."""
+class CppAttention:
+    """The CPU's C++ attention (kernels/cpu_attention.cpp, float32 queries) with the torch path's
+    signatures, so the shared checks can call it; prefill rows go through it one by one as decode rows."""
 
     @staticmethod
-    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+    def _loaded():
         if cpu_ops._compiler() is None:
             pytest.skip("no C++ compiler here: the CPU runs the torch path")
         assert cpu_ops.loaded(), "the C++ kernels did not build (see the log)"
+
+    @staticmethod
+    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+        CppAttention._loaded()
         k_scale = v_scale = None
         if isinstance(k_cache, Int8KV):
             k_cache, k_scale, v_cache, v_scale = k_cache.data, k_cache.scale, v_cache.data, v_cache.scale
         return torch.ops.gpushare.decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
                                                    scale, window, softcap)
+
+    @staticmethod
+    def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
+        CppAttention._loaded()
+        assert q.dtype == torch.float32 and not os.environ.get("GPUSHARE_KERNELS")
+        return kernels.prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
+                                         softcap)
 
 
 def ragged_lengths(gen, count, block_size, low, high):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gpushare.kernels import paged_attention_torch, paged_attention_triton
-from test_kernels import NUM_KV_HEADS, CppDecode, assert_close, cached_rows, paged_cache
+from test_kernels import NUM_KV_HEADS, CppAttention, assert_close, cached_rows, paged_cache
 
 IMPLS = [pytest.param(paged_attention_triton, id="triton"), pytest.param(paged_attention_torch, id="torch")]
-DECODE_IMPLS = IMPLS + [pytest.param(CppDecode, id="cpp")]
+ALL_IMPLS = IMPLS + [pytest.param(CppAttention, id="cpp")]
 FREED = -1
 
 
@@ -43,7 +43,7 @@ def free_out_of_window(block_tables, first_keys, block_size):
 
 
 @pytest.mark.usefixtures("nan_allocations")
-@pytest.mark.parametrize("impl", DECODE_IMPLS)
+@pytest.mark.parametrize("impl", ALL_IMPLS)
 @pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_decode_attends_to_its_window_only(impl, softcap, group, monkeypatch):
@@ -67,7 +67,7 @@ def test_decode_attends_to_its_window_only(impl, softcap, group, monkeypatch):
 
 
 @pytest.mark.usefixtures("nan_allocations")
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ALL_IMPLS)
 @pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["plain", "softcap"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_attends_to_its_window_only(impl, softcap, group):

@@ -170,11 +170,19 @@ def test_bfloat16_kv_answers_as_float32_kv_on_the_oracle_prompts_in_half_the_byt
     assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)
 
 
-def test_auto_kv_dtype_is_float32_on_the_cpu_and_bfloat16_on_a_gpu():
+def test_auto_kv_dtype_is_bfloat16_but_for_the_exact_path_and_the_cpus_torch_attention(monkeypatch):
     from gpushare.engine.kv_pool import resolve_kv_dtype
 
-    assert resolve_kv_dtype("auto", "cpu") == torch.float32  # bfloat16 would make prefix-cache hits change answers
+    assert resolve_kv_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_kv_dtype("auto", "cpu", "int8") == torch.bfloat16
+    assert resolve_kv_dtype("auto", "cpu", "float32") == torch.float32  # the exact path
     assert resolve_kv_dtype("auto", "cuda:0") == torch.bfloat16
+    assert resolve_kv_dtype("auto", "cuda:0", "float32") == torch.bfloat16
+    # the torch attention rounds prompt rows and decode rows apart: bfloat16 would make answers depend on
+    # the prefix cache
+    monkeypatch.setenv("GPUSHARE_KERNELS", "torch")
+    assert resolve_kv_dtype("auto", "cpu") == torch.float32
+    assert resolve_kv_dtype("bfloat16", "cpu") == torch.bfloat16  # asked for: kept
     with pytest.raises(ValueError, match="engine.kv_dtype: float16 is for GPUs"):
         resolve_kv_dtype("float16", "cpu")
     with pytest.raises(ValueError, match="engine.kv_dtype: int8 runs on the CPU only"):
@@ -189,8 +197,8 @@ def test_a_pool_smaller_than_a_block_is_refused_naming_the_sizes(llm):
 
 
 def test_a_prompt_the_whole_pool_cannot_hold_is_a_400_naming_the_sizes(tmp_path, smollm2_path):
-    # 2 MiB: two float32 blocks of SmolLM2 (720 KiB each), 32 tokens
-    with serving(tmp_path, smollm2_path, {"memory": {"kv_budget": "2MiB"}}) as daemon:
+    # 1 MiB: two bfloat16 blocks of SmolLM2 (360 KiB each), 32 tokens
+    with serving(tmp_path, smollm2_path, {"memory": {"kv_budget": "1MiB"}}) as daemon:
         short = {"model": MODEL, "prompt": "Hi", "raw": True, "stream": False,
                  "options": {"num_predict": 8, "temperature": 0}}
         status, body, _ = http("POST", daemon.url + "/api/generate", short)

@@ -61,7 +61,8 @@ def served(smollm2_path):
     """SmolLM2 in float32 over two worker processes, one CPU each."""
     devices = ["cpu:0", "cpu:1"]
     # An idle model gives its KV slabs back after 1 s: on every rank (the Decommit op).
-    config = {"device": "cpu", "num_threads": 1, "kv_cache_bytes": KV_BYTES, "kv_idle_release_s": 1.0}
+    config = {"device": "cpu", "num_threads": 1, "kv_cache_bytes": KV_BYTES, "kv_idle_release_s": 1.0,
+              "weights": "float32"}  # the exact path, float32 KV included, as the single-device llm
     ranks = [WorkerClient(WorkerSpec(name, EngineConfig(cpus=[i], **config), GroupSpec(i, 2, "", devices)), {}, KV_BYTES)
              for i, name in enumerate(devices)]
     client = GroupClient(ranks)

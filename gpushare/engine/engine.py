@@ -56,7 +56,7 @@ class Engine:
         self.ledger = TenantLedger()
         self.tenant_policies: dict[str, TenantPolicy] = {}
         self.kv_pool = DeviceKVPool(self.config.kv_cache_bytes, self.config.device, self.config.kv_slab_blocks)
-        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device)
+        self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device, self.config.weights)
         self._idle_since_s: dict[int, float] = {}  # kv_sharing.shed_idle_models' memory
         self._next_shed_check_s = 0.0  # idle models are looked at once per idle_tick_s, not every step
         self.thread_native_id: int | None = None

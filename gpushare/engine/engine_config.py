@@ -7,16 +7,17 @@ from dataclasses import dataclass
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
-def kv_dtype_name(kv_dtype: str, device: str) -> str:
-    """The KV storage dtype's name for the ``engine.kv_dtype`` setting on ``device``; ValueError when
-    the device cannot store it. ``auto``: bfloat16 on a GPU (the compute dtype there); float32 on
-    the CPU. Measured on the CPU (docs/benchmarks.md), bfloat16 KV keeps the oracle prompts' greedy
-    answers (7 of 8; the eighth parts at a near tie, 0.002 nats apart) and the perplexity (22.515 vs
-    22.520), but K/V rows that come from the prefix cache and rows computed afresh differ in their
-    last bits, which bfloat16 rounding turns into other tokens (1 of 3 prompts from token 25 on):
-    with it an answer would depend on what ran before. float16 is refused on the CPU (no fast
-    float16 kernels); int8 (a quarter of float32's bytes plus a scale per token and head) on GPUs,
-    whose Triton kernels read float KV only."""
+def kv_dtype_name(kv_dtype: str, device: str, weights: str = "auto") -> str:
+    """The KV storage dtype's name for the ``engine.kv_dtype`` setting on ``device`` with the engine's
+    default ``weights`` format; ValueError when the device cannot store it. ``auto``: bfloat16 on a
+    GPU (the compute dtype there); on the CPU bfloat16 too (half the bytes a decode step reads, twice
+    the tokens a pool holds: perplexity 22.515 vs 22.520 with float32 weights, docs/benchmarks.md),
+    except under ``weights: float32``, the exact path, which keeps float32. The CPU's C++ attention
+    computes a prompt's rows as the decode rows they would be, so a K/V row has the same bits from
+    the prefix cache as computed afresh and rounding it to bfloat16 cannot make an answer depend on
+    what ran before; where those kernels do not run, kv_pool.resolve_kv_dtype keeps float32. float16
+    is refused on the CPU (no fast float16 kernels); int8 (a quarter of float32's bytes plus a scale
+    per token and head) on GPUs, whose Triton kernels read float KV only."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     on_gpu = device.startswith("cuda")
@@ -25,7 +26,7 @@ def kv_dtype_name(kv_dtype: str, device: str) -> str:
     if kv_dtype == "int8" and on_gpu:
         raise ValueError("engine.kv_dtype: int8 runs on the CPU only; on a GPU use bfloat16, float16 or float32")
     if kv_dtype == "auto":
-        return "bfloat16" if on_gpu else "float32"
+        return "bfloat16" if on_gpu or weights != "float32" else "float32"
     return kv_dtype
 
 
@@ -41,10 +42,11 @@ class EngineConfig:
     device: str = "cpu"
     kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model
     kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 | int8 (kv_dtype_name)
+    weights: str = "auto"  # the weight format models load in unless they say otherwise: picks auto's KV dtype
     kv_slab_blocks: int = 8  # KV pool slab size, in blocks of the first model loaded
     kv_idle_release_s: float = 30.0  # a model idle this long drops its cached KV and gives its slabs back
 
     def __post_init__(self):
         if self.prefix_cache not in ("tenant", "global", "off"):
             raise ValueError(f"prefix_cache must be tenant, global or off, got {self.prefix_cache!r}")
-        kv_dtype_name(self.kv_dtype, self.device)
+        kv_dtype_name(self.kv_dtype, self.device, self.weights)

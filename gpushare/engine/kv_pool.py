@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from gpushare import kernels
 from gpushare.engine.engine_config import kv_dtype_name
 from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.config import ModelConfig
@@ -35,10 +36,15 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
 
 
-def resolve_kv_dtype(kv_dtype: str, device: str) -> torch.dtype:
-    """The torch dtype of the ``engine.kv_dtype`` setting on ``device`` (engine_config.kv_dtype_name
-    says which, and why)."""
-    return getattr(torch, kv_dtype_name(kv_dtype, device))
+def resolve_kv_dtype(kv_dtype: str, device: str, weights: str = "auto") -> torch.dtype:
+    """The torch dtype of the ``engine.kv_dtype`` setting on ``device`` with the engine's default
+    ``weights`` (engine_config.kv_dtype_name says which, and why). ``auto`` keeps float32 on a CPU
+    whose C++ attention does not run: the torch path rounds a prompt's rows differently from decode
+    rows, and bfloat16 would turn that into answers that depend on the prefix cache."""
+    name = kv_dtype_name(kv_dtype, device, weights)
+    if kv_dtype == "auto" and not device.startswith("cuda") and not kernels.cpu_attention_runs():
+        name = "float32"
+    return getattr(torch, name)
 
 
 def _allocate(capacity_bytes: int, device: str):

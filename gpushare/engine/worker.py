@@ -214,7 +214,7 @@ class FollowerHost:
         self.spec = spec
         self.outbox = outbox
         config = spec.config
-        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, config.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, config.device, config.weights)
         self.follower = Follower(DeviceKVPool(config.kv_cache_bytes, config.device, config.kv_slab_blocks))
         self.warm: dict[tuple, object] = {}
         self.loaded: dict = {}

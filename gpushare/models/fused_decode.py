@@ -1,15 +1,17 @@
-"""The fused decode path: a batch of single-token rows runs its layers a few at a time in one C++ call
+"""The fused path: a step's rows run their layers a few at a time in one C++ call
 (``kernels/cpu_decode.cpp``) where the model allows it, with the same numbers as layer by layer.
 
 Why: on the CPU a decode step at batch 1 is ~150 short parallel regions. Run from Python, each
 pays for the intra-op thread falling asleep in the gap before it (the workers' short OpenMP spin,
 kept short so that an idle engine leaves the cores to the API and other models); in one C++ call
-the gaps are a few microseconds and the thread stays awake.
+the gaps are a few microseconds and the thread stays awake. Prompt chunks ride along: the C++
+attention takes every row as the decode row it would be (``AttentionBatch.rows``), so a step that
+admits a new prompt among running streams is one call too.
 
 It takes a model whose every layer is SmolLM2's and Llama's shape: SwiGLU, no biases, no q/k or
 sandwich norms, one RoPE, every linear on the block kernel (int8 or int4), float32 activations, no
-tensor parallel. Anything else runs layer by layer, as does any batch with a prefill chunk. A
-step may still pause every few layers for an urgent prompt.
+tensor parallel. Anything else runs layer by layer. A step may still pause between two calls for an
+urgent prompt.
 """
 
 from dataclasses import dataclass
@@ -19,8 +21,10 @@ import torch
 from gpushare import kernels
 
 # A step may pause between two calls for an urgent prompt (engine._pause): at 16 streams five of
-# SmolLM2's layers take ~2 ms, and six calls a step cost ~0.1 ms of wakes at batch 1.
+# SmolLM2's layers take ~2 ms, and six calls a step cost ~0.1 ms of wakes at batch 1. Wide steps take
+# fewer layers a call, down to one for a long prompt chunk, so a pause waits no longer than there.
 LAYERS_PER_CALL = 5
+ROW_LAYERS_PER_CALL = 1024  # rows x layers
 
 
 @dataclass
@@ -63,17 +67,18 @@ def decode_weights(model) -> DecodeWeights | None:
 
 
 def run(weights: DecodeWeights, state, kv_caches, should_pause=None) -> bool | None:
-    """Run the layers from ``state.next_layer`` on, ``LAYERS_PER_CALL`` a call: True after the last one,
-    False where ``should_pause()`` said so between two calls (as ``LlamaModel.run_layers``); None, with
-    nothing done, where the batch or the kernels cannot (a prefill chunk, another device or dtype, no
-    C++ build)."""
+    """Run the layers from ``state.next_layer`` on, a few a call: True after the last one, False where
+    ``should_pause()`` said so between two calls (as ``LlamaModel.run_layers``); None, with nothing
+    done, where the kernels cannot (another device or dtype, no C++ build)."""
     batch, layers = state.batch, len(weights.windows)
-    if batch.num_prefill_tokens or state.x.dtype != torch.float32:
+    if state.x.dtype != torch.float32:
         return None
+    tables, lengths = batch.rows()
+    per_call = max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
     while state.next_layer < layers:
-        first, end = state.next_layer, min(layers, state.next_layer + LAYERS_PER_CALL)
+        first, end = state.next_layer, min(layers, state.next_layer + per_call)
         x = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
-                                  batch.decode_block_tables, batch.decode_context_lens, first)
+                                  tables, lengths, first)
         if x is None:
             return None
         state.x, state.next_layer = x, end

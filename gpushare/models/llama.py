@@ -7,7 +7,7 @@ their keys and values live in the paged cache.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,29 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor   # [D, W] int32
     decode_context_lens: torch.Tensor   # [D] int32, current token included
     wide_rows: int = 0                  # rows [0, wide_rows): wide prefill chunks (Linear.forward)
+    _rows: tuple | None = field(default=None, repr=False, compare=False)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's block table ``[T, W]`` int32 and context length ``[T]`` int32 (its position + 1):
+        a prompt chunk's rows as the decode rows they would be one at a time, for kernels that attend
+        row by row (kernels.attention_by_row)."""
+        if self._rows is None:
+            p, decode = self.num_prefill_tokens, self.decode_context_lens.numel()
+            parts_tables, parts_lens = [], []
+            if p:
+                cu = self.prefill_cu_seqlens.long()
+                seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+                # row j of chunk i sits at position context_len - (cu[i + 1] - j)
+                lens = self.prefill_context_lens.long()[seq] - cu[1:][seq] + torch.arange(p, device=cu.device) + 1
+                parts_tables.append(self.prefill_block_tables.index_select(0, seq))
+                parts_lens.append(lens.int())
+            if decode:
+                parts_tables.append(self.decode_block_tables)
+                parts_lens.append(self.decode_context_lens)
+            width = max(t.shape[1] for t in parts_tables)
+            tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in parts_tables])
+            self._rows = tables, torch.cat(parts_lens)
+        return self._rows
 
 
 @dataclass
@@ -138,6 +161,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
         q = self._rope_and_cache(self.qkv_proj(x, batch.wide_rows), cos, sin, kv_cache, batch)
         k_cache, v_cache = kv_cache
+        out = kernels.attention_by_row(q, k_cache, v_cache, *batch.rows(), self.scale, self.window, self.softcap)
+        if out is not None:
+            return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows)
         p = batch.num_prefill_tokens
         parts = []
         if p:
@@ -223,7 +249,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope", rope_table(config), persistent=False)
         self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
                              persistent=False)
-        self.fused_decode = True  # pure decode batches may run a few layers a C++ call (models/fused_decode.py)
+        self.fused_decode = True  # steps may run a few layers a C++ call (models/fused_decode.py)
         self._decode_weights: fused_decode.DecodeWeights | None | bool = False  # False: not gathered yet
 
     def _apply(self, fn, recurse=True):
@@ -255,8 +281,8 @@ class LlamaModel(nn.Module):
         """Run layers until the last one (True) or until ``should_pause()`` says so after a layer (False).
 
         A paused pass resumes with the next call; meanwhile other sequences may run, since a pass
-        only writes its own tokens' cache slots. A batch of decode rows alone runs a few layers a call
-        where the model allows (models/fused_decode.py), and may pause between two calls.
+        only writes its own tokens' cache slots. Where the model allows, a few layers run a call
+        (models/fused_decode.py), and the pass may pause between two calls.
         """
         if self.fused_decode and state.next_layer < len(self.layers):
             if self._decode_weights is False:
