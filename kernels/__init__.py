@@ -36,16 +36,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     return _ops(key, _attention_torch).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def _cpp_float32(x) -> bool:
-    """Whether the C++ kernels (cpu_ops.py) take float32 ``x``: on the CPU, unless GPUSHARE_KERNELS picks
-    a path (it is read at each call, as ``_use_triton`` does)."""
-    return not x.is_cuda and x.dtype == torch.float32 and not os.environ.get("GPUSHARE_KERNELS") \
-        and _cpu_ops.loaded()
-
-
-def cpu_attention_runs() -> bool:
-    """Whether float32 rows on the CPU take the C++ attention (built, and no GPUSHARE_KERNELS override)."""
+def cpu_kernels_run() -> bool:
+    """Whether the CPU's C++ kernels (cpu_ops.py) run: built, and no GPUSHARE_KERNELS picking a path
+    (read at each call, as ``_use_triton`` does)."""
     return not os.environ.get("GPUSHARE_KERNELS") and _cpu_ops.loaded()
+
+
+def _cpp_float32(x) -> bool:
+    """Whether the C++ kernels take float32 ``x``: on the CPU, where they run."""
+    return not x.is_cuda and x.dtype == torch.float32 and cpu_kernels_run()
 
 
 def _cache_parts(cache) -> tuple:
@@ -125,6 +124,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, win
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
+    """Ragged prompt chunks (paged_attention_torch.prefill_attention's arguments); on the CPU's C++ path
+    each row as the decode row it would be (attention_by_row)."""
     if _cpp_cache(q, k_cache):
         cu = cu_seqlens_q.long()
         seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])

@@ -135,17 +135,20 @@ inline float exp_nonpositive(float x) {
 
 // p[i] = e^(p[i] - max p) for i < n: exp_nonpositive's float operations, 16 at a time where AVX-512 is.
 inline void exponentiate(float* p, int64_t n) {
-  float top = *std::max_element(p, p + n);  // max is exact: any order finds the same value
+  float top = -INFINITY;  // max is exact: any order finds the same value
   int64_t i = 0;
 #if defined(__AVX512F__)
   if (n >= 16) {
     __m512 m = _mm512_loadu_ps(p);
     for (i = 16; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + i));
     top = _mm512_reduce_max_ps(m);
-    for (; i < n; ++i) top = std::max(top, p[i]);
   }
+#endif
+  for (; i < n; ++i) top = std::max(top, p[i]);
+  i = 0;
+#if defined(__AVX512F__)
   const __m512 t = _mm512_set1_ps(top), floor_at = _mm512_set1_ps(-87.3f);
-  for (i = 0; i + 16 <= n; i += 16) {
+  for (; i + 16 <= n; i += 16) {
     // as exp_nonpositive, operation for operation: std::max(x, c) is max_ps(c, x) (x when not below c)
     const __m512 x = _mm512_max_ps(floor_at, _mm512_sub_ps(_mm512_loadu_ps(p + i), t));
     const __m512 k = _mm512_roundscale_ps(
@@ -173,7 +176,25 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 struct Scratch {
   std::vector<float> scores, sums, weights;
   std::vector<const void*> values;
+  std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
 };
+
+// Where tokens [start, length) of a sequence lie in a cache, for head 0: the element offsets of their
+// rows and (int8) of their scales, walking the block table (a division per token cost as much as
+// the dot products of a short row).
+void locate(const Cache& c, const int32_t* table, int64_t start, int64_t length, int64_t block_size,
+            std::vector<int64_t>& rows, std::vector<int64_t>& scales) {
+  const int64_t n = length - start;
+  rows.resize(n);
+  if (c.scale) scales.resize(n);
+  int64_t index = start / block_size, offset = start % block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t block = table[index];
+    rows[i] = block * c.block_stride + offset * c.row_stride;
+    if (c.scale) scales[i] = block * c.scale_block + offset * c.scale_row;
+    if (++offset == block_size) offset = 0, ++index;
+  }
+}
 
 // One row's KV heads [first_head, last_head): q and out point at the row's [Hq, D]. Keys [start, length).
 // Tokens are the outer loop of the scores, so each K row is read once, front to back, for all those
@@ -185,6 +206,18 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   const int64_t n = length - start, rows = (last_head - first_head) * group;  // query heads handled
   std::vector<float>& scores = scratch.scores;
   scores.resize(rows * n);
+  locate(kc, table, start, length, block_size, scratch.k_at, scratch.k_scale_at);
+  locate(vc, table, start, length, block_size, scratch.v_at, scratch.v_scale_at);
+  const T* const k_data = reinterpret_cast<const T*>(kc.data);
+  const T* const v_data = reinterpret_cast<const T*>(vc.data);
+  const auto k_row = [&](int64_t t, int64_t head) { return k_data + scratch.k_at[t - start] + head * kc.head_stride; };
+  const auto v_row = [&](int64_t t, int64_t head) { return v_data + scratch.v_at[t - start] + head * vc.head_stride; };
+  const auto k_scale = [&](int64_t t, int64_t head) {
+    return kc.scale ? kc.scale[scratch.k_scale_at[t - start] + head * kc.scale_head] : 1.f;
+  };
+  const auto v_scale = [&](int64_t t, int64_t head) {
+    return vc.scale ? vc.scale[scratch.v_scale_at[t - start] + head * vc.scale_head] : 1.f;
+  };
   int64_t t = start;
 #if defined(__AVX512F__)
   if (dim % kLanes == 0) {  // 16 tokens at a time, the same bits as one by one below
@@ -193,9 +226,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     for (; t + 16 <= length; t += 16)
       for (int64_t head = first_head; head < last_head; ++head) {
         for (int i = 0; i < 16; ++i) {
-          const int64_t block = table[(t + i) / block_size], offset = (t + i) % block_size;
-          keys[i] = kc.row<T>(block, offset, head);
-          k_scales[i] = kc.row_scale(block, offset, head);
+          keys[i] = k_row(t + i, head);
+          k_scales[i] = k_scale(t + i, head);
         }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = (head - first_head) * group + g;
@@ -210,13 +242,12 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   }
 #endif
   for (; t < length; ++t) {
-    const int64_t block = table[t / block_size], offset = t % block_size;
     for (int64_t head = first_head; head < last_head; ++head) {
-      const T* k = kc.row<T>(block, offset, head);
-      const float k_scale = kc.row_scale(block, offset, head);
+      const T* k = k_row(t, head);
+      const float row_scale = k_scale(t, head);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = (head - first_head) * group + g;
-        float s = dot(q + (head * group + g) * dim, k, dim) * k_scale * scale;
+        float s = dot(q + (head * group + g) * dim, k, dim) * row_scale * scale;
         if (softcap > 0) s = std::tanh(s / softcap) * softcap;
         scores[row * n + t - start] = s;
       }
@@ -239,18 +270,16 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     std::vector<const float*> weight_rows(group);
     std::vector<float*> out_rows(group);
     for (int64_t head = first_head; head < last_head; ++head) {
-      for (int64_t t = start; t < length; ++t) {
-        const int64_t block = table[t / block_size], offset = t % block_size;
-        values[t - start] = vc.row<T>(block, offset, head);
-      }
+      for (int64_t t = start; t < length; ++t) values[t - start] = v_row(t, head);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = (head - first_head) * group + g;
-        float* w = weights.data() + g * n;
-        for (int64_t t = start; t < length; ++t) {
-          const int64_t block = table[t / block_size], offset = t % block_size;
-          w[t - start] = scores[row * n + t - start] * vc.row_scale(block, offset, head);
+        const float* p = scores.data() + row * n;
+        if (vc.scale) {  // int8: each token's probability times its value scale (else times 1: itself)
+          float* w = weights.data() + g * n;
+          for (int64_t t = start; t < length; ++t) w[t - start] = p[t - start] * v_scale(t, head);
+          p = w;
         }
-        weight_rows[g] = w;
+        weight_rows[g] = p;
         out_rows[g] = first_out + row * dim;
       }
       const T* const* v = reinterpret_cast<const T* const*>(values.data());
@@ -266,13 +295,12 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   {
     std::fill(first_out, first_out + rows * dim, 0.f);
     for (int64_t t = start; t < length; ++t) {
-      const int64_t block = table[t / block_size], offset = t % block_size;
       for (int64_t head = first_head; head < last_head; ++head) {
-        const T* v = vc.row<T>(block, offset, head);
-        const float v_scale = vc.row_scale(block, offset, head);
+        const T* v = v_row(t, head);
+        const float row_scale = v_scale(t, head);
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = (head - first_head) * group + g;
-          add_scaled(first_out + row * dim, scores[row * n + t - start] * v_scale, v, dim);
+          add_scaled(first_out + row * dim, scores[row * n + t - start] * row_scale, v, dim);
         }
       }
     }

@@ -42,7 +42,7 @@ def resolve_kv_dtype(kv_dtype: str, device: str, weights: str = "auto") -> torch
     whose C++ attention does not run: the torch path rounds a prompt's rows differently from decode
     rows, and bfloat16 would turn that into answers that depend on the prefix cache."""
     name = kv_dtype_name(kv_dtype, device, weights)
-    if kv_dtype == "auto" and not device.startswith("cuda") and not kernels.cpu_attention_runs():
+    if kv_dtype == "auto" and not device.startswith("cuda") and not kernels.cpu_kernels_run():
         name = "float32"
     return getattr(torch, name)
 
