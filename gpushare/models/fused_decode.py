@@ -20,11 +20,14 @@ import torch
 
 from gpushare import kernels
 
-# A step may pause between two calls for an urgent prompt (engine._pause): at 16 streams five of
-# SmolLM2's layers take ~2 ms, and six calls a step cost ~0.1 ms of wakes at batch 1. Wide steps take
-# fewer layers a call, down to one for a long prompt chunk, so a pause waits no longer than there.
+# A step may pause between two calls for an urgent prompt (engine._pause): at batch 1 five of
+# SmolLM2's layers take ~1 ms, and six calls a step cost ~0.1 ms of wakes. Wider steps take fewer
+# layers a call, one from 32 rows on (a prompt chunk among streams), so that a pause waits about a
+# millisecond or one layer. With 1,024 rows x layers a call an urgent prompt under the 429 storm
+# waited for five layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one
+# layer a call; docs/benchmarks.md); at 64 streams one layer a call measured no slower.
 LAYERS_PER_CALL = 5
-ROW_LAYERS_PER_CALL = 1024  # rows x layers
+ROW_LAYERS_PER_CALL = 32  # rows x layers
 
 
 @dataclass
