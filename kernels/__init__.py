@@ -123,15 +123,22 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, win
                                                       window, softcap)
 
 
+def prefill_rows(block_tables, cu_seqlens_q, context_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged prompt chunks' rows as the decode rows they would be: each row's sequence's block table
+    ``[T, W]`` and its context length ``[T]`` int32 (its position + 1), for attention_by_row."""
+    cu = cu_seqlens_q.long()
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+    # row j of chunk i sits at position context_len - (cu[i + 1] - j)
+    lengths = context_lens.long()[seq] - cu[1:][seq] + torch.arange(seq.numel(), device=cu.device) + 1
+    return block_tables.index_select(0, seq), lengths.int()
+
+
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0, softcap=0.0):
     """Ragged prompt chunks (paged_attention_torch.prefill_attention's arguments); on the CPU's C++ path
     each row as the decode row it would be (attention_by_row)."""
     if _cpp_cache(q, k_cache):
-        cu = cu_seqlens_q.long()
-        seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
-        lengths = context_lens.long()[seq] - cu[1:][seq] + torch.arange(q.shape[0]) + 1
-        return attention_by_row(q, k_cache, v_cache, block_tables.index_select(0, seq), lengths.int(), scale, window,
-                                softcap)
+        return attention_by_row(q, k_cache, v_cache, *prefill_rows(block_tables, cu_seqlens_q, context_lens), scale,
+                                window, softcap)
     return _ops(q, _attention_torch).prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                        context_lens, scale, window, softcap)
 

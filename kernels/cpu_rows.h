@@ -39,9 +39,6 @@ struct Cache {
   float* scale_at(int64_t block, int64_t offset, int64_t head) const {
     return scale + block * scale_block + offset * scale_row + head * scale_head;
   }
-  float row_scale(int64_t block, int64_t offset, int64_t head) const {
-    return scale ? *scale_at(block, offset, head) : 1.f;
-  }
 };
 
 inline Cache cache_of(const at::Tensor& values, const c10::optional<at::Tensor>& scale) {

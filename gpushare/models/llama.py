@@ -37,16 +37,13 @@ class AttentionBatch:
         a prompt chunk's rows as the decode rows they would be one at a time, for kernels that attend
         row by row (kernels.attention_by_row)."""
         if self._rows is None:
-            p, decode = self.num_prefill_tokens, self.decode_context_lens.numel()
             parts_tables, parts_lens = [], []
-            if p:
-                cu = self.prefill_cu_seqlens.long()
-                seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
-                # row j of chunk i sits at position context_len - (cu[i + 1] - j)
-                lens = self.prefill_context_lens.long()[seq] - cu[1:][seq] + torch.arange(p, device=cu.device) + 1
-                parts_tables.append(self.prefill_block_tables.index_select(0, seq))
-                parts_lens.append(lens.int())
-            if decode:
+            if self.num_prefill_tokens:
+                tables, lens = kernels.prefill_rows(self.prefill_block_tables, self.prefill_cu_seqlens,
+                                                    self.prefill_context_lens)
+                parts_tables.append(tables)
+                parts_lens.append(lens)
+            if self.decode_context_lens.numel():
                 parts_tables.append(self.decode_block_tables)
                 parts_lens.append(self.decode_context_lens)
             width = max(t.shape[1] for t in parts_tables)
