@@ -93,19 +93,24 @@ def keep_verdict(name: str, verdict: Verdict) -> str:
     return verdict.choice
 
 
-def simd_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The CPU's flags that decide which SIMD paths the C++ kernels build (in ``SIMD_FLAGS`` order)."""
+def simd_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
+    """The CPU's flags that decide which SIMD paths the C++ kernels build (in ``SIMD_FLAGS`` order);
+    None where ``cpuinfo`` cannot be read."""
     try:
         with open(cpuinfo) as f:
             flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
     except (OSError, StopIteration):
-        return []
+        return None
     return [flag for flag in SIMD_FLAGS if flag in flags]
 
 
 def describe(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
     """Lines for logs and ``gpushare node topo``: the SIMD flags and each kept verdict."""
-    lines = [f"SIMD flags: {' '.join(simd_flags(cpuinfo)) or 'none of ' + ', '.join(SIMD_FLAGS)}"]
+    flags = simd_flags(cpuinfo)
+    if flags is None:
+        lines = [f"SIMD flags: unknown (cannot read {cpuinfo})"]
+    else:
+        lines = [f"SIMD flags: {' '.join(flags) or 'none of ' + ', '.join(SIMD_FLAGS)}"]
     for name, verdict in kept_verdicts().items():
         if verdict is None:
             lines.append(f"{WHAT[name]}: not measured yet (measured at the first model load that needs it)")
