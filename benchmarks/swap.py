@@ -26,11 +26,11 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.model_files
 
 from gpushare.api.streaming import EngineStream, checked_request  # noqa: E402
-from gpushare.config import ModelEntry, Settings  # noqa: E402
+from gpushare.settings.settings import ModelEntry, Settings  # noqa: E402
 from gpushare.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes  # noqa: E402
 from gpushare.residency.registry import Registry  # noqa: E402
-from gpushare.engine.sampling_params import SamplingParams  # noqa: E402
+from gpushare.protocol.sampling_params import SamplingParams  # noqa: E402
 from gpushare.residency.devices import LocalDevice
 
 KV_BUDGET = 48 << 20  # the engine's KV pool, shared by the loaded models (counted once in the budget)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import jsonschema
 
 from gpushare import SamplingParams
-from gpushare.engine.constraints import StructuredOutput
+from gpushare.protocol.structured_output import StructuredOutput
 from test_engine import PROMPTS, chat_ids, greedy, small_engine
 
 SCHEMA = {"type": "object", "required": ["name", "age"], "additionalProperties": False,

@@ -20,11 +20,11 @@ import pytest
 
 from gpushare import LLM
 from gpushare.api.streaming import EngineStream, checked_request
-from gpushare.config import ModelEntry, Settings
+from gpushare.settings.settings import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
-from gpushare.engine.sampling_params import SamplingParams
+from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.residency.devices import LocalDevice
 from tests.daemon_fixture import GPUSHARE, http, spawn_daemon, wait_for
 from tests.model_files import gguf_to_hf_folder, random_llama_folder

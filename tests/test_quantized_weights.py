@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpushare import LLM, SamplingParams
-from gpushare.config import ConfigError, parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 from gpushare.models.cpu_kernels import (known_cpu_weights, quantized_cpu_weights, quantized_kernel, verdict_file,
                                          wide_int8_kernel)
 from gpushare.models.gguf_reader import read_gguf_file

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpushare.config import ModelEntry, Settings
+from gpushare.settings.settings import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
 from gpushare.residency.devices import LocalDevice
@@ -325,8 +325,8 @@ def test_a_dead_device_loses_its_models_and_loads_wait_until_it_is_back(two_engi
 
 def test_a_tenant_kv_limit_counts_across_devices(two_engines, llm):
     """What the tenant holds on one device comes off its kv_limit on the other (NodeEngines)."""
-    from gpushare.engine.sampling_params import SamplingParams
-    from gpushare.engine.tenants import TenantPolicy
+    from gpushare.protocol.sampling_params import SamplingParams
+    from gpushare.protocol.tenant_policy import TenantPolicy
     from gpushare.residency.node_engines import NodeEngines
 
     devices = {f"cpu:{i}": LocalDevice(e, name=f"cpu:{i}") for i, e in enumerate(two_engines)}

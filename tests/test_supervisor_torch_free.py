@@ -17,7 +17,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def test_the_daemon_modules_import_without_torch():
-    code = ("import sys, gpushare.daemon, gpushare.api.app, gpushare.cli; "
+    code = ("import sys, gpushare.daemon.serve, gpushare.api.app, gpushare.cli.main; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'llguidance.torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

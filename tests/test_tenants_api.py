@@ -20,7 +20,7 @@ from gpushare import cli
 from gpushare.api.context import ApiContext
 from gpushare.api.errors import ApiError
 from gpushare.api.tenants import apply_tenant_settings
-from gpushare.config import parse_settings
+from gpushare.settings.settings import parse_settings
 from gpushare.residency.devices import LocalDevice
 from gpushare.residency.node_engines import NodeEngines
 

@@ -8,8 +8,8 @@ import torch
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_pool import kv_bytes_per_block
-from gpushare.engine.request import EmbedRequest, KVCacheBusy
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.protocol.request import EmbedRequest, KVCacheBusy
+from gpushare.protocol.tenant_policy import TenantPolicy
 from test_engine import chat_ids
 
 SYSTEM = ("You are a meticulous assistant for a shipping company. Answer questions about parcels, "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gpushare.api.errors import bad_request
-from gpushare.config import Settings
+from gpushare.settings.settings import Settings
 from gpushare.residency.registry import Registry
 
 

@@ -12,7 +12,7 @@ from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
-from gpushare.engine.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
+from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
 from gpushare.engine.constraints import grammar_vocab
-from gpushare.engine.sampling_params import MAX_LOGPROBS
+from gpushare.protocol.sampling_params import MAX_LOGPROBS
 
 
 def requested(body: dict) -> int | None:

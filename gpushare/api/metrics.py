@@ -38,7 +38,7 @@ from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
 from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.residency.registry import ModelNotFound
-from gpushare.engine.sequence import RequestOutput
+from gpushare.protocol.outputs import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -15,7 +15,7 @@ import functools
 from gpushare.api.context import encode_chat
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
-from gpushare.model_options import ModelPreset
+from gpushare.settings.model_options import ModelPreset
 from gpushare.models import chat_template
 
 

@@ -38,7 +38,7 @@ from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_mo
                                   visible)
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
-from gpushare.residency.model_catalog import catalog_problems
+from gpushare.catalog.model_catalog import catalog_problems
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
 # What every model served here does: generate (every supported architecture is a causal LM), call

@@ -20,9 +20,9 @@ from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.ollama import CAPABILITIES, rfc3339
 from gpushare.api.tenants import check_admin, check_model, is_admin
 from gpushare.residency.registry import RegistrationError
-from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
+from gpushare.settings.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
                                     parameters_text)
-from gpushare.modelfile import ModelfileError, format_modelfile, parse_modelfile
+from gpushare.catalog.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
 HIDDEN_KEYS = ("general.name", "tokenizer.chat_template")  # Ollama leaves these out of model_info too
 UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on the daemon's machine in \"from\"",

@@ -21,10 +21,10 @@ from aiohttp import web
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
-from gpushare.engine.request import (EngineFailed, GenerationRequest, ModelLimits, RequestError, check_request,
+from gpushare.protocol.request import (EngineFailed, GenerationRequest, ModelLimits, RequestError, check_request,
                                      model_limits, tenant_limit_bytes)
-from gpushare.engine.sampling_params import SamplingParams
-from gpushare.engine.sequence import RequestOutput
+from gpushare.protocol.sampling_params import SamplingParams
+from gpushare.protocol.outputs import RequestOutput
 
 log = logging.getLogger("gpushare.api")
 # A stream's kernel send buffer. Left to autotuning it grows to net.ipv4.tcp_wmem's maximum (4 MiB,

@@ -25,23 +25,26 @@ from typing import Callable
 
 import torch
 
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.inbox import Call, Cancel, Embed, Submit, Wake
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedSequences, Wake
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, has_work, tenant_stats
+from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
+from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.embedding import embed_one
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.model_worker import ModelWorker
-from gpushare.engine.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
+from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
                                      model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
-from gpushare.engine.sampling_params import SamplingFailure, SamplingParams
+from gpushare.protocol.sampling_params import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
-from gpushare.engine.sequence import RequestOutput, Sequence, Status
-from gpushare.engine.tenants import DEFAULT_TENANT, TenantLedger, TenantPolicy, TenantStats
+from gpushare.engine.sequence import Sequence, Status
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.engine.tenant_ledger import TenantLedger
+from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
 from gpushare.models.loader import return_freed_memory
 from gpushare.models.model_head import LoadedModel
 
@@ -160,7 +163,7 @@ class Engine:
         if worker is None:
             raise KeyError(f"model {request.model!r} is not loaded")
         seq = new_sequence(worker.loaded, request, on_output)
-        self._put_work(Submit(seq))
+        self._put_work(AddSequence(seq))
         return seq.request_id
 
     def request(self, model_name: str, prompt_ids: list[int], params: SamplingParams, tenant: str = DEFAULT_TENANT,
@@ -202,7 +205,7 @@ class Engine:
         params = SamplingParams(max_tokens=1)
         seqs = [Sequence(f"{request.request_id}-{i}", request.model, list(ids), params, lambda out: None,
                          request.tenant) for i, ids in enumerate(request.inputs)]
-        self._put_work(Embed(request.model, seqs, future))
+        self._put_work(EmbedSequences(request.model, seqs, future))
         return future
 
     def _put_work(self, item) -> None:
@@ -313,9 +316,9 @@ class Engine:
 
     def _fail_item(self, item, reason: str) -> None:
         """Answer an inbox item that will not be handled: its request ends with ``reason``."""
-        if isinstance(item, Submit):
+        if isinstance(item, AddSequence):
             self._emit(item.seq, self._output(item.seq, [], True, "error", reason))
-        elif isinstance(item, (Embed, Call)) and not item.future.done():
+        elif isinstance(item, (EmbedSequences, Call)) and not item.future.done():
             item.future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
@@ -340,12 +343,12 @@ class Engine:
             self._handle_item(item)
         except Exception as e:  # the item's own request fails, not the loop
             log.exception("engine: handling a %s failed", type(item).__name__)
-            if isinstance(item, Submit):
+            if isinstance(item, AddSequence):
                 self.requests.pop(item.seq.request_id, None)
             self._fail_item(item, f"the engine could not take this request in: {type(e).__name__}: {e}")
 
     def _handle_item(self, item) -> None:
-        if isinstance(item, Submit):
+        if isinstance(item, AddSequence):
             seq = item.seq
             worker = self.workers.get(seq.model_name)
             if worker is None:
@@ -363,7 +366,7 @@ class Engine:
             if seq is not None and seq.model_name in self.workers:
                 for answer in [seq, *seq.forks]:  # n > 1: every answer goes
                     self._finish(self.workers[seq.model_name], answer, "abort")
-        elif isinstance(item, Embed):
+        elif isinstance(item, EmbedSequences):
             self._embed(item)
         elif isinstance(item, Call):
             try:
@@ -429,7 +432,7 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Submit):
+            if isinstance(item, AddSequence):
                 self._handle(item)
             else:
                 self._deferred.append(item)
@@ -497,7 +500,7 @@ class Engine:
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         self._outputs.append((seq, out))  # delivered by the next _flush
 
-    def _embed(self, item: Embed) -> None:
+    def _embed(self, item: EmbedSequences) -> None:
         """One input per loop turn (the rest goes back to the inbox), so generation steps run between
         the inputs of a large embedding request."""
         worker = self.workers.get(item.model_name)
@@ -512,6 +515,6 @@ class Engine:
                 item.future.set_exception(e)
                 return
             if len(item.seqs) > 1:
-                self._deferred.append(Embed(item.model_name, item.seqs[1:], item.future, vectors))
+                self._deferred.append(EmbedSequences(item.model_name, item.seqs[1:], item.future, vectors))
             else:
                 item.future.set_result(list(vectors))

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from gpushare import kernels
-from gpushare.engine.engine_config import kv_dtype_name
+from gpushare.protocol.engine_config import kv_dtype_name
 from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models.config import ModelConfig
 

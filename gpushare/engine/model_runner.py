@@ -11,7 +11,7 @@ from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import copy_block
 from gpushare.engine.sampling import prompt_logprobs, sample_batch
-from gpushare.engine.sampling_params import SamplingFailure
+from gpushare.protocol.sampling_params import SamplingFailure
 from gpushare.engine.scheduler import Batch
 from gpushare.models.cpu_kernels import WIDE_CHUNK_TOKENS
 from gpushare.models.llama import AttentionBatch, ForwardState

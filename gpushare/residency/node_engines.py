@@ -15,8 +15,8 @@ import asyncio
 import time
 from dataclasses import replace
 
-from gpushare.engine.engine_stats import EngineStats
-from gpushare.engine.tenants import TenantPolicy, TenantStats
+from gpushare.protocol.engine_stats import EngineStats
+from gpushare.protocol.tenant_policy import TenantPolicy, TenantStats
 
 BALANCE_INTERVAL_S = 0.1
 _SUMMED_TENANT_FIELDS = ("kv_used_bytes", "running", "waiting", "computed_tokens", "generated_tokens",

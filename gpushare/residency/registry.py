@@ -24,13 +24,13 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from gpushare.config import Settings
+from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import default_budget_bytes
-from gpushare.residency.model_create import create_model, removable_file
-from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
+from gpushare.catalog.model_create import create_model, removable_file
+from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
 from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
-from gpushare.model_options import ModelPreset
+from gpushare.settings.model_options import ModelPreset
 from gpushare.models.weight_format import planned_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
@@ -170,7 +170,7 @@ class Registry:
 
     def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
         """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
-        `preset` on top of the target's own (residency/model_create.py: a symlink, or a .modelfile). A model
+        `preset` on top of the target's own (catalog/model_create.py: a symlink, or a .modelfile). A model
         of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
         create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
         source = self.find(name)

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
-from gpushare.residency.model_catalog import ModelSource
+from gpushare.catalog.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
 from gpushare.residency.worker_client import WorkerDied
 from gpushare.models.weight_format import planned_weights

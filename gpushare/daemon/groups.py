@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
-from gpushare.config import ConfigError, Settings
-from gpushare.engine.worker_messages import GroupSpec, WorkerSpec
+from gpushare.settings.settings import ConfigError, Settings
+from gpushare.protocol.messages import GroupSpec, WorkerSpec
 from gpushare.residency.group_client import GroupClient
 from gpushare.residency.worker_client import WorkerClient
 
-log = logging.getLogger("gpushare.daemon")
+log = logging.getLogger("gpushare.daemon.serve")
 
 
 def plan_groups(settings: Settings, plans) -> list:

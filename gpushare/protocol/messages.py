@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.engine_stats import EngineSnapshot
-from gpushare.engine.request import EmbedRequest, GenerationRequest
-from gpushare.engine.sequence import RequestOutput
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.protocol.engine_stats import EngineSnapshot
+from gpushare.protocol.request import EmbedRequest, GenerationRequest
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.protocol.tenant_policy import TenantPolicy
 
 
 @dataclass

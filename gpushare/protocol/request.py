@@ -18,8 +18,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from gpushare.engine.sampling_params import SamplingParams
-from gpushare.engine.tenants import DEFAULT_TENANT, PRIORITIES, TenantPolicy
+from gpushare.protocol.sampling_params import SamplingParams
+from gpushare.protocol.tenant_policy import DEFAULT_TENANT, PRIORITIES, TenantPolicy
 
 
 class RequestError(ValueError):

@@ -10,9 +10,9 @@ import sys
 
 import json
 
-from gpushare.cli_format import print_model_info
-from gpushare.cli_http import ApiFailure, call, load_with_progress
-from gpushare.model_options import OptionError, option_from_text, parameters_text
+from gpushare.cli.format import print_model_info
+from gpushare.cli.http_client import ApiFailure, call, load_with_progress
+from gpushare.settings.model_options import OptionError, option_from_text, parameters_text
 
 SHOW_WHAT = ("info", "modelfile", "parameters", "system", "template", "license")
 HELP = """Available commands:

@@ -24,10 +24,10 @@ from typing import Callable
 from gpushare.api.context import ApiContext
 from gpushare.api.health import engine_alive
 from gpushare.api.tenants import apply_tenant_settings
-from gpushare.config import ConfigError, Settings, reload_settings
+from gpushare.settings.settings import ConfigError, Settings, reload_settings
 from gpushare.service import notify
 
-log = logging.getLogger("gpushare.daemon")
+log = logging.getLogger("gpushare.daemon.serve")
 
 STATUS_INTERVAL_S = 2.0
 DEFAULT_ENGINE_STALL_S = 30.0  # without a systemd watchdog: when /health calls the engine stalled
@@ -117,7 +117,7 @@ def keep_start_only_settings(old: Settings, new: Settings) -> list[str]:
 
 
 def _keep_tensor_parallel(old: Settings, new: Settings) -> list[str]:
-    """Tensor-parallel groups are planned and started with the daemon (daemon_groups.py): a model
+    """Tensor-parallel groups are planned and started with the daemon (daemon/groups.py): a model
     keeps the split it started with, and a model that asks for one waits for the restart."""
     keys = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
     before = {m.name: m for m in old.models}

@@ -13,16 +13,16 @@ import os
 import sys
 import time
 
-from gpushare.cli_format import human_bytes, human_delta, parse_time, print_model_info, table
-from gpushare.cli_http import ApiFailure, DaemonUnreachable, call, load_with_progress
-from gpushare.cli_run import cmd_run
-from gpushare.config import ConfigError
-from gpushare.modelfile import ModelfileError, parse_modelfile
+from gpushare.cli.format import human_bytes, human_delta, parse_time, print_model_info, table
+from gpushare.cli.http_client import ApiFailure, DaemonUnreachable, call, load_with_progress
+from gpushare.cli.run import cmd_run
+from gpushare.settings.settings import ConfigError
+from gpushare.catalog.modelfile import ModelfileError, parse_modelfile
 
 
 def cmd_serve(args) -> int:
-    from gpushare import daemon
-    from gpushare.config import load_settings
+    from gpushare.daemon import serve as daemon
+    from gpushare.settings.settings import load_settings
 
     try:
         settings = load_settings(args.config, host=args.host)
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_verbs(sub) -> None:
     """`node ...` and `service install`, when those modules are installed."""
     try:
-        from gpushare.node.commands import add_node_parser
+        from gpushare.cli.node import add_node_parser
     except ImportError:
         pass
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpushare.config_values import ConfigError, non_negative_int, parse_duration_s, parse_host, positive_int
+from gpushare.settings.values import ConfigError, non_negative_int, parse_duration_s, parse_host, positive_int
 
 # Where Ollama keeps its models when OLLAMA_MODELS is unset: a user's own, and the system service's.
 OLLAMA_STORES = ("~/.ollama/models", "/usr/share/ollama/.ollama/models")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpushare.model_options import ROLES, ModelPreset, OptionError, check_template, option_from_text
+from gpushare.settings.model_options import ROLES, ModelPreset, OptionError, check_template, option_from_text
 
 INSTRUCTIONS = ("FROM", "PARAMETER", "SYSTEM", "TEMPLATE", "MESSAGE", "LICENSE", "ADAPTER")
 

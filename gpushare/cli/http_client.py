@@ -11,9 +11,9 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
-from gpushare.cli_format import ProgressBar, keep_alive_value
-from gpushare.config import DEFAULT_HOST, parse_host
-from gpushare.config_env import daemon_host
+from gpushare.cli.format import ProgressBar, keep_alive_value
+from gpushare.settings.settings import DEFAULT_HOST, parse_host
+from gpushare.settings.environment import daemon_host
 
 
 class DaemonUnreachable(Exception):

@@ -4,7 +4,7 @@ from the sampler itself (engine/sampling.py) so the daemon's supervisor never im
 
 from dataclasses import dataclass, field
 
-from gpushare.engine.constraints import StructuredOutput
+from gpushare.protocol.structured_output import StructuredOutput
 
 MAX_PROMPT_LOGPROBS = 20
 MAX_LOGPROBS = 20  # top logprobs per sampled token, as OpenAI's top_logprobs
@@ -22,7 +22,7 @@ class SamplingFailure:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = None  # None: up to the end of the usable context (engine/request.py)
+    max_tokens: int | None = None  # None: up to the end of the usable context (protocol/request.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

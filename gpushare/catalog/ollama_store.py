@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from gpushare.model_options import OPTION_TYPES, ModelPreset, OptionError, messages_from_json, options_from_json
+from gpushare.settings.model_options import OPTION_TYPES, ModelPreset, OptionError, messages_from_json, options_from_json
 
 log = logging.getLogger("gpushare.registry")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpushare.residency.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
-from gpushare.model_options import ModelPreset
-from gpushare.modelfile import format_modelfile
+from gpushare.catalog.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
+from gpushare.settings.model_options import ModelPreset
+from gpushare.catalog.modelfile import format_modelfile
 
 GGUF_MAGIC = b"GGUF"
 
