@@ -167,7 +167,7 @@ class StateCollector:
         yield GaugeMetricFamily("gpushare_http_requests_in_flight", "API requests being handled",
                                 value=self.ctx.in_flight)
         yield GaugeMetricFamily("gpushare_engine_last_tick_age_seconds", "Since the engine loop last turned",
-                                value=max(0.0, time.monotonic() - self.ctx.engine.last_tick_s))
+                                value=max(0.0, time.monotonic() - self.ctx.node.last_tick_s))
         yield from self._gpu_families()
         yield from self._memory_families()
         yield from self._device_families()
@@ -220,7 +220,7 @@ class StateCollector:
                                           "later)", labels=["model"])
         steps = CounterMetricFamily("gpushare_engine_steps", "Engine steps run", labels=["model"])
         kv_bytes = gauge("gpushare_kv_committed_bytes", "Bytes of the KV pool's slabs the model holds")
-        for name, m in self.ctx.engine.stats().models.items():
+        for name, m in self.ctx.node.stats().models.items():
             queue.add_metric([name], m.waiting)
             running.add_metric([name], m.running)
             total.add_metric([name], m.blocks_total)
@@ -244,7 +244,7 @@ class StateCollector:
                                     labels=["tenant"])
         queue = GaugeMetricFamily("gpushare_tenant_queue_depth", "A tenant's requests waiting in the engine",
                                   labels=["tenant"])
-        for name, t in self.ctx.engine.tenant_stats().items():
+        for name, t in self.ctx.node.tenant_stats().items():
             used.add_metric([name], t.kv_used_bytes)
             reserved.add_metric([name], t.kv_reserved_bytes)
             if t.kv_limit_bytes is not None:

@@ -156,13 +156,13 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
-        room = context_room(lease.engine, lease.entry.name, lease.model.config.context_length, num_ctx)
+        room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
         prompt_ids = await off_loop(make_prompt, lease.model, preset, room)
         params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
-                              field_names=FIELD_NAMES, policies=ctx.engine.tenant_policies)
+                              field_names=FIELD_NAMES, policies=ctx.node.tenant_policies)
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
@@ -182,7 +182,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
             return [{**base, "created_at": now_rfc3339(), **reply(""), "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
-        with EngineStream(lease.engine, gen) as engine_stream:
+        with EngineStream(lease.device, gen) as engine_stream:
             if stream:
                 held = ReplyFilter(tools)
 
@@ -296,7 +296,7 @@ async def tags(request: web.Request) -> web.Response:
 
 async def ps(request: web.Request) -> web.Response:
     ctx = context(request)
-    engine_stats = ctx.engine.stats()
+    engine_stats = ctx.node.stats()
     stats = engine_stats.models
     models = []
     for entry in ctx.registry.loaded():
@@ -307,23 +307,23 @@ async def ps(request: web.Request) -> web.Response:
         kv_bytes = s.kv_committed_bytes if s else 0
         # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
         # holds the most KV heads; its slabs times the ranks bound the group's).
-        kv_bytes *= entry.engine.world_size
+        kv_bytes *= entry.device.world_size
         size = entry.weight_bytes + kv_bytes
         models.append({
             "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
-            "size_vram": size if entry.engine.config.device.startswith("cuda") else 0,
+            "size_vram": size if entry.device.config.device.startswith("cuda") else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": context_room(entry.engine, entry.name, entry.model.config.context_length,
+            "context_length": context_room(entry.device, entry.name, entry.model.config.context_length,
                                            entry.source.preset.options.get("num_ctx")
                                            or ctx.settings.server.context_length),
             "trained_context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
-            "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
-            "tensor_parallel": entry.engine.world_size, "devices": getattr(entry.engine, "members", [entry.device]),
-            "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
+            "keep_alive": entry.keep_alive_s, "device": entry.device_name, "worker_pid": entry.device.pid,
+            "tensor_parallel": entry.device.world_size, "devices": getattr(entry.device, "members", [entry.device_name]),
+            "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
             "weights": entry.model.weights,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })

@@ -32,7 +32,7 @@ UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on t
 
 def _gguf_info(path: str, verbose: bool) -> tuple[dict, list[dict]]:
     """The GGUF's metadata as model_info (arrays null unless verbose) and, when verbose, its tensors."""
-    from gpushare.models.gguf_reader import open_gguf
+    from gpushare.catalog.gguf_reader import open_gguf
 
     meta, tensors = open_gguf(path)
     info = {k: (v if verbose or not isinstance(v, list) else None) for k, v in meta.items() if k not in HIDDEN_KEYS}

@@ -121,8 +121,8 @@ class Timings:
 def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[ModelLimits, int | None]:
     """The leased model's limits from its engine's latest snapshot, and the tenant's node-wide kv_limit
     in bytes (`policies`: the node's tenant policies; None: the engine's own)."""
-    engine = lease.engine
-    stats = engine.stats()
+    device = lease.device
+    stats = device.stats()
     model_stats = stats.models.get(lease.entry.name)
     if model_stats is None:  # unloaded between the lease and now: only while the daemon stops or a worker died
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)

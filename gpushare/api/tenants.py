@@ -361,7 +361,7 @@ async def admit(request: web.Request, model: str):
 def tenant_rows(request: web.Request) -> list[dict]:
     """/api/ps rows: the asking tenant's own, every tenant's for an admin."""
     gate, me = gate_of(request), tenant_of(request)
-    stats = context(request).engine.tenant_stats()
+    stats = context(request).node.tenant_stats()
     states = list(gate.states.values()) if me.settings.admin else [me]
     rows = []
     for state in states:
@@ -391,5 +391,5 @@ def apply_tenant_settings(target: ApiContext | web.Application, settings: Settin
     ctx = target[CONTEXT] if isinstance(target, web.Application) else target
     if ctx.tenants is None:
         ctx.tenants = TenantGate()
-    ctx.engine.set_tenants(tenant_policies(settings))
+    ctx.node.set_tenants(tenant_policies(settings))
     ctx.tenants.configure(settings)

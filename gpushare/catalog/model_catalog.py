@@ -175,7 +175,7 @@ def _size_label(count: int) -> str:
 
 def describe_files(path: str) -> ModelDescription:
     """Read only what describes the model (no weights); a GGUF takes a few seconds: cache it."""
-    from gpushare.models.model_head import read_model_info
+    from gpushare.catalog.model_head import read_model_info
 
     config, template, info = read_model_info(path)
     return describe_model(config, template, info, None)

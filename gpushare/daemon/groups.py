@@ -18,8 +18,8 @@ log = logging.getLogger("gpushare.daemon.serve")
 def plan_groups(settings: Settings, plans) -> list:
     """Each tensor-parallel model's TPGroupPlan, in config order; ConfigError names the model and
     what it cannot have (more devices than there are, a split its heads do not allow, SYS links)."""
-    from gpushare.models.model_head import read_model_info
-    from gpushare.models.tensor_split import split_model
+    from gpushare.catalog.model_head import read_model_info
+    from gpushare.catalog.tensor_split import split_model
     from gpushare.node.gpu_links import GpuLinks, read_gpu_links
     from gpushare.node.runner import NodeError, SubprocessRunner
     from gpushare.node.tp_groups import plan_tp_groups
@@ -52,7 +52,7 @@ def plan_groups(settings: Settings, plans) -> list:
 
 def _need_bytes(settings: Settings, models, plans) -> dict[str, int]:
     """Weights (estimated from the file) plus one KV pool, for tensor_parallel: auto."""
-    from gpushare.models.weight_format import planned_weights
+    from gpushare.protocol.weight_format import planned_weights
     from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 
     kind = "cuda" if any(w.torch_device == "cuda" for w in plans.workers) else "cpu"

@@ -65,17 +65,17 @@ class Signals:
 
 
 def status_line(ctx: ApiContext, reload_error: str | None) -> str:
-    stats = ctx.engine.stats().models
+    stats = ctx.node.stats().models
     loaded = [e.name for e in ctx.registry.loaded()]
     running = sum(m.running for m in stats.values())
     queued = sum(m.waiting for m in stats.values())
     text = (f"{ctx.phase}: {len(loaded)} model{'' if len(loaded) == 1 else 's'} loaded "
             f"({', '.join(loaded) or 'none'}); {running} running, {queued} queued, "
             f"{ctx.in_flight} requests in flight")
-    if ctx.engine.failure:
-        text += f"; ENGINE FAILED: {ctx.engine.failure}"
-    elif not engine_alive(ctx.engine, ctx.engine_stall_s):
-        stalled = ctx.engine.stalled(ctx.engine_stall_s)
+    if ctx.node.failure:
+        text += f"; ENGINE FAILED: {ctx.node.failure}"
+    elif not engine_alive(ctx.node, ctx.engine_stall_s):
+        stalled = ctx.node.stalled(ctx.engine_stall_s)
         text += f"; ENGINE LOOP STALLED on {', '.join(stalled)}"
     down = [name for name, status in ctx.supervisor.status.items() if not status.healthy] if ctx.supervisor else []
     if down:

@@ -31,7 +31,7 @@ from gpushare.settings.settings import ConfigError, Settings, parse_host
 from gpushare.daemon.groups import group_clients, plan_groups
 from gpushare.daemon.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
 from gpushare.residency.device_supervisor import DeviceSupervisor
-from gpushare.residency.node_engines import NodeEngines
+from gpushare.residency.node_devices import NodeDevices
 from gpushare.residency.registry import ModelLoadError, Registry, RegistryFull
 from gpushare.residency.worker_client import WorkerClient, WorkerDied
 from gpushare.service import notify
@@ -110,18 +110,11 @@ def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
 
 
 def engine_threads(settings: Settings, plans) -> dict:
-    """engine.isolation: thread: each device's engine on a thread of this process (no isolation)."""
-    from gpushare.engine.engine import Engine
-    from gpushare.residency.devices import LocalDevice
+    """engine.isolation: thread: each device's engine on a thread of this process (no isolation). The
+    one place the supervisor imports the engine, by that setting's definition (tests/test_import_rule.py)."""
+    from gpushare.engine.local_device import local_devices
 
-    from gpushare.engine.test_hooks import install_test_stall
-
-    devices = {}
-    for name, client in worker_clients(settings, plans).items():
-        engine = Engine(client.config)
-        install_test_stall(engine)
-        devices[name] = LocalDevice(engine, name=name)
-    return devices
+    return local_devices({name: client.config for name, client in worker_clients(settings, plans).items()})
 
 
 async def start_http(app: web.Application, settings: Settings) -> web.AppRunner:
@@ -221,7 +214,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
                         memory_total_bytes=plans.memory_total_bytes())
     registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
-    engines = NodeEngines(devices)
+    engines = NodeDevices(devices)
     watchdog_s = notify.watchdog_interval_s()
     ctx = ApiContext(engines, registry, settings, engine_stall_s=engine_stall_limit_s(watchdog_s),
                      supervisor=supervisor)
@@ -248,7 +241,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
 
 def device_back(ctx: ApiContext, name: str) -> None:
     """A restarted worker: the live tenant policies again, then the preload and pinned models it is for."""
-    ctx.engine.resend(name)
+    ctx.node.resend(name)
     ctx.registry.device_back(name)
 
 

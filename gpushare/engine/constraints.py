@@ -12,29 +12,17 @@ protocol/structured_output.py's.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 import llguidance
 
+from gpushare.catalog.model_head import grammar_vocab
 from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 if TYPE_CHECKING:  # torch only where masks are applied: the supervisor checks schemas without it
     import torch
 
 _executor: llguidance.LLExecutor | None = None
-_vocab_lock = threading.Lock()
-
-
-def grammar_vocab(loaded) -> llguidance.LLTokenizer:
-    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s)."""
-    with _vocab_lock:
-        if loaded.grammar_vocab is None:
-            tokenizer = loaded.tokenizer
-            loaded.grammar_vocab = llguidance.LLTokenizer(
-                tokenizer.hf.to_str(), n_vocab=max(tokenizer.vocab_size, loaded.config.vocab_size),
-                eos_token=sorted(loaded.stop_token_ids))
-        return loaded.grammar_vocab
 
 
 def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:

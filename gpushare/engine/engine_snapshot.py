@@ -10,7 +10,7 @@ def engine_stats(engine) -> EngineStats:
     pool = engine.kv_pool
     out = EngineStats(engine.steps, kv_pool_bytes=pool.capacity_bytes, kv_committed_bytes=pool.committed_bytes,
                       kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs)
-    for name, w in list(engine.workers.items()):
+    for name, w in list(engine.models.items()):
         blocks = w.scheduler.pool
         out.models[name] = ModelStats(
             blocks_total=blocks.num_blocks, block_size=blocks.block_size, blocks_used=blocks.num_used,

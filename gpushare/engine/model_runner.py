@@ -15,7 +15,7 @@ from gpushare.protocol.sampling_params import SamplingFailure
 from gpushare.engine.scheduler import Batch
 from gpushare.models.cpu_kernels import WIDE_CHUNK_TOKENS
 from gpushare.models.llama import AttentionBatch, ForwardState
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows per lm_head call: bounds the [rows, vocab] float32 logits of a long chunk
 

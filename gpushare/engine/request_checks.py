@@ -10,7 +10,7 @@ from gpushare.engine import constraints
 from gpushare.protocol.request import GenerationRequest
 from gpushare.engine.sequence import Sequence
 from gpushare.protocol.outputs import RequestOutput
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
 
 
 def new_sequence(loaded: LoadedModel, request: GenerationRequest,

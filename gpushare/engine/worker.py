@@ -1,4 +1,4 @@
-"""An engine worker process: one Engine on one device, behind typed messages (worker_messages.py).
+"""An engine worker process: one Engine on one device, behind typed messages (protocol/messages.py).
 
 Started by the supervisor (residency/worker_client.py) as ``python -m gpushare.engine.worker FD``
 with its device's environment (CUDA_VISIBLE_DEVICES, MPS) already set, so CUDA sees one GPU or
@@ -39,7 +39,7 @@ from gpushare.engine.test_hooks import install_test_stall
 from gpushare.protocol.outputs import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
-from gpushare.models.tensor_split import rank_config, split_model, vocab_widths
+from gpushare.catalog.tensor_split import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
 

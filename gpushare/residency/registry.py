@@ -31,7 +31,7 @@ from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, Mod
                                            describe_files, describe_model, model_sources)
 from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
 from gpushare.settings.model_options import ModelPreset
-from gpushare.models.weight_format import planned_weights
+from gpushare.protocol.weight_format import planned_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
@@ -58,13 +58,13 @@ class Lease:
     @property
     def engine(self):
         """The engine (of the device) the model is loaded on."""
-        return self.entry.engine
+        return self.entry.device
 
 
 class Registry:
     def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None,
                  memory_total_bytes: dict[str, int] | None = None):
-        """`devices`: name -> device (residency/devices.py); `find_device`: a models[].device as written ->
+        """`devices`: name -> device (protocol/device.py); `find_device`: a models[].device as written ->
         the name of its device; `memory_total_bytes`: a GPU device's name -> its memory (the worker plan's,
         from NVML), for the default budget."""
         self.devices = devices
@@ -278,7 +278,7 @@ class Registry:
                 continue
             pinned_changed = new.pinned != entry.source.pinned
             if new.weight != entry.source.weight:
-                entry.engine.set_share_weight(entry.name, new.weight)
+                entry.device.set_share_weight(entry.name, new.weight)
             entry.source = new
             if pinned_changed:  # keep_alive starts afresh from the model's or the server's default
                 self._set_keep_alive(entry, None)

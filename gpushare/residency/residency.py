@@ -34,7 +34,8 @@ from gpushare.residency.memory_budget import Resident, count_tensors, estimate_w
 from gpushare.catalog.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
 from gpushare.residency.worker_client import WorkerDied
-from gpushare.models.weight_format import planned_weights
+from gpushare.protocol.device import Device
+from gpushare.protocol.weight_format import planned_weights
 
 log = logging.getLogger("gpushare.registry")
 
@@ -70,16 +71,16 @@ class LoadedEntry:
     expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
     timer: asyncio.TimerHandle | None = None
     retired: bool = False  # its config entry is gone: takes no new request, unloads once idle
-    engine: object = None  # the device it is loaded on (residency/devices.py): what requests submit to
+    device: Device | None = None  # the device it is loaded on: what requests submit to
 
     @property
-    def device(self) -> str:
-        return self.engine.name
+    def device_name(self) -> str:
+        return self.device.name
 
     @property
     def key(self) -> str:
         """This copy of the model: its name on its device."""
-        return f"{self.name}@{self.device}"
+        return f"{self.name}@{self.device_name}"
 
     @property
     def name(self) -> str:
@@ -89,7 +90,7 @@ class LoadedEntry:
     def size_bytes(self) -> int:
         """What it holds of memory.budget: its weights (its KV lives in the engine's shared pool); of a
         tensor-parallel model, what one rank holds (the budget is per device)."""
-        return -(-self.weight_bytes // self.engine.world_size)
+        return -(-self.weight_bytes // self.device.world_size)
 
 
 @dataclass
@@ -116,7 +117,7 @@ class LoadJob:
 
 class Residency:
     def __init__(self, devices: dict, *, dtype: str, weights: str, on_loaded, release, find_device=None):
-        self.devices = devices  # name -> device (residency/devices.py), in engine.devices order
+        self.devices = devices  # name -> device (protocol/device.py), in engine.devices order
         self.dtype = dtype
         self.weights = weights  # engine.weights: the format of models whose entry names none
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
@@ -194,7 +195,7 @@ class Residency:
 
     def residents(self, device: str) -> list[Resident]:
         return [Resident(e.key, e.size_bytes, e.last_used,
-                         e.active == 0 and not e.source.pinned and not e.engine.has_work(e.name))
+                         e.active == 0 and not e.source.pinned and not e.device.has_work(e.name))
                 for e in self.entries() if e.device == device]
 
     def _entry(self, key: str) -> LoadedEntry:
@@ -305,7 +306,7 @@ class Residency:
         source = job.source
         try:
             estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
-            job.device = self.place(source, estimate_bytes, {e.device for e in self.copies(source.name)})
+            job.device = self.place(source, estimate_bytes, {e.device_name for e in self.copies(source.name)})
             if job.device is None:
                 raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
             estimate_bytes, parameter_count = await self._size(source, job.device)  # its weight format there
@@ -415,13 +416,13 @@ class Residency:
             await asyncio.gather(*[self.start_unload(self._entry(v.name)) for v in victims])
         log.info("loaded model %s on %s in %.2fs%s (%d bytes of weights)", source.name, device.name, load_s,
                  " from the warm tier" if was_warm else "", weight_bytes)
-        return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, engine=device)
+        return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, device=device)
 
     # ------------------------------------------------------------------ unload
 
     def start_unload(self, entry: LoadedEntry) -> asyncio.Task:
         """Forget `entry` at once; remove it from the engine (and keep it warm) in a worker thread."""
-        log.info("unloading model %s from %s", entry.name, entry.device)
+        log.info("unloading model %s from %s", entry.name, entry.device_name)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
@@ -434,11 +435,11 @@ class Residency:
     async def _unload(self, entry: LoadedEntry) -> None:
         warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) else None
         try:
-            kept = await asyncio.to_thread(entry.engine.unload, entry.name, entry.model, warm_key)
+            kept = await asyncio.to_thread(entry.device.unload, entry.name, entry.model, warm_key)
             if kept is not None:
                 self.warm.put(entry.warm_key, kept, entry.weight_bytes)
         except Exception as e:
-            log.error("removing model %s from device %s failed: %s", entry.name, entry.device, e)
+            log.error("removing model %s from device %s failed: %s", entry.name, entry.device_name, e)
         finally:
             del self.unloading[entry.key]
             self.unloading_entries.remove(entry)

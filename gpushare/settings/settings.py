@@ -34,7 +34,7 @@ DEFAULT_MODELS_DIR = "~/.local/share/gpushare/models"
 BUNDLED_MODEL_NAME = "smollm2:135m"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.models.weight_format
+WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.protocol.weight_format
 DEVICES = ("auto", "cpu", "cuda")
 TENSOR_PARALLEL_KEYS = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gpushare.models.config import ModelConfig
-from gpushare.models.weight_format import INT4_GROUP_SIZE
+from gpushare.catalog.model_config import ModelConfig
+from gpushare.protocol.weight_format import INT4_GROUP_SIZE
 
 SPLIT_ALIGN = INT4_GROUP_SIZE  # MLP slices start on int4 group boundaries (and on SIMD widths)
 

@@ -1,14 +1,14 @@
-"""ModelWorker: one loaded model's state inside the engine (its scheduler, runner and counters)."""
+"""ResidentModel: one model resident in the engine, its state there (scheduler, runner, counters)."""
 
 from dataclasses import dataclass
 
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.scheduler import Scheduler
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
 
 
 @dataclass
-class ModelWorker:
+class ResidentModel:
     name: str
     loaded: LoadedModel
     scheduler: Scheduler

@@ -1,7 +1,7 @@
 """Every device's engine seen as one, for what is node-wide: merged snapshots (per-model and
 per-tenant stats, for /api/ps, /metrics and the status line), tenant policies sent to every
 engine, liveness. Requests never go through here: they go to the device their model is on
-(``Lease.engine``).
+(``Lease.device``).
 
 A tenant's kv_limit is node-wide: each engine enforces it on its own device, so each is given
 the limit less what the tenant holds on the other devices, as their latest snapshots say
@@ -23,9 +23,9 @@ _SUMMED_TENANT_FIELDS = ("kv_used_bytes", "running", "waiting", "computed_tokens
                          "prefix_hit_tokens")
 
 
-class NodeEngines:
+class NodeDevices:
     def __init__(self, devices: dict):
-        self.devices = devices  # name -> device (residency/devices.py)
+        self.devices = devices  # name -> device (protocol/device.py)
         self.tenant_policies: dict[str, TenantPolicy] = {}
         self._sent: dict[str, list[TenantPolicy]] = {}  # what each device's engine was last given
 

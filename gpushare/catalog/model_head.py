@@ -2,19 +2,24 @@
 stop ids, metadata), read from a GGUF header or a Hugging Face folder's JSON and tokenizer files.
 
 Torch-free: the daemon's supervisor tokenises, renders chat and checks limits with a head while the
-weights live in an engine worker process (models/loader.py builds those).
+weights live in an engine worker process (models/loader.py builds those). ``grammar_vocab`` is the vocabulary as llguidance sees it, for output grammars and
+the exact bytes of logprobs.
 """
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 
-from gpushare.models import chat_template
-from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
-from gpushare.models.gguf_reader import open_gguf
-from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+import llguidance
+
+from gpushare.catalog import chat_template
+from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.catalog.gguf_reader import open_gguf
+from gpushare.catalog.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_vocab_lock = threading.Lock()
 _OUTPUT_TENSORS = ("token_embd.weight", "output.weight")  # GGUF names
 # Chat models end a turn with one of these even when the metadata names another EOS.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
@@ -32,22 +37,28 @@ class LoadedModel:
     dtype: object  # activations and KV: a torch.dtype (load_model); its name in a head (load_model_head)
     device: str
     metadata: dict = field(default_factory=dict)
-    weights: str = "float32"  # the weight format it was built in (gpushare.models.weight_format)
+    weights: str = "float32"  # the weight format it was built in (gpushare.protocol.weight_format)
     _template: object = None
     grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
     whole_config: ModelConfig | None = None  # tensor parallel: the whole model's (``config`` is this rank's)
-
-    @property
-    def weight_bytes(self) -> int:
-        from gpushare.models.llama import weight_bytes
-
-        return weight_bytes(self.model)
+    weight_bytes: int = 0  # its weights as stored, once built (models/llama.weight_bytes); 0 in a head
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
             self._template = chat_template.compile_template(self.template_source)
         return chat_template.render(self._template, messages, self.tokenizer.bos_token, self.tokenizer.eos_token,
                                     add_generation_prompt=add_generation_prompt, **extra)
+
+
+def grammar_vocab(loaded) -> llguidance.LLTokenizer:
+    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s)."""
+    with _vocab_lock:
+        if loaded.grammar_vocab is None:
+            tokenizer = loaded.tokenizer
+            loaded.grammar_vocab = llguidance.LLTokenizer(
+                tokenizer.hf.to_str(), n_vocab=max(tokenizer.vocab_size, loaded.config.vocab_size),
+                eos_token=sorted(loaded.stop_token_ids))
+        return loaded.grammar_vocab
 
 
 def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu") -> LoadedModel:
