@@ -24,13 +24,8 @@ EXCEPTIONS = {
     # engine.isolation: thread runs each device's engine on a thread of the daemon's own process: by that
     # setting's definition the supervisor hosts the engine (the default, process, never reaches this import).
     ("gpushare.daemon.serve", "gpushare.engine.local_device"),
-    # Until issue 32 lands (its verdicts move to the torch-free node/cpu_verdicts.py and weight formats stop
-    # asking cpu_kernels): the planned weight format reads this machine's kept kernel verdicts through
-    # models/cpu_kernels.py, whose functions import torch only to measure. This is also the arrow that
-    # closes the circle cpu_kernels -> linear -> quantized -> weight_format -> cpu_kernels.
-    ("gpushare.protocol.weight_format", "gpushare.models.cpu_kernels"),
-    # Until issue 32 lands, the same way: Linear asks cpu_kernels for this machine's kernel verdicts itself,
-    # and cpu_kernels times Linear. After it, the loader hands Linear its kernel choices.
+    # Not yet undone (issue 33's step 3): Linear asks cpu_kernels for this machine's kernel verdicts itself,
+    # and cpu_kernels times Linear, a circle. The mend: the loader hands Linear its kernel choices.
     ("gpushare.models.linear", "gpushare.models.cpu_kernels"),
 }
 

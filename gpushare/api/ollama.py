@@ -324,7 +324,7 @@ async def ps(request: web.Request) -> web.Response:
             "keep_alive": entry.keep_alive_s, "device": entry.device_name, "worker_pid": entry.device.pid,
             "tensor_parallel": entry.device.world_size, "devices": getattr(entry.device, "members", [entry.device_name]),
             "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
-            "weights": entry.model.weights,
+            "weights": entry.model.weights, "kernel": entry.model.kernel,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
