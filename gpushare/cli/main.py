@@ -186,7 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"gpushare {version('gpushare')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_and_run(sub)
+    _add_model_verbs(sub)
+    _add_store_verbs(sub)
+    _add_optional_verbs(sub)
+    return parser
 
+
+def _add_serve_and_run(sub) -> None:
     p = sub.add_parser("serve", help="run the daemon", description="Run the daemon: load the config, start the "
                        "engine and serve the Ollama (/api) and OpenAI (/v1) HTTP APIs until SIGINT/SIGTERM.")
     p.add_argument("--config", metavar="FILE", default=os.environ.get("GPUSHARE_CONFIG"),
@@ -211,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["json"], help="answer in JSON")
     p.set_defaults(func=cmd_run)
 
+
+def _add_model_verbs(sub) -> None:
+    """ps, list, show, load, unload: what is loaded and available, and moving models in and out."""
     p = sub.add_parser("ps", help="list loaded models", description="List the loaded models: size, device, "
                        "context, when they unload, KV-cache blocks in use and requests running/queued.")
     p.add_argument("--json", action="store_true", help="print the daemon's /api/ps answer as JSON")
@@ -247,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", metavar="MODEL", nargs="+")
     p.set_defaults(func=cmd_unload)
 
+
+def _add_store_verbs(sub) -> None:
+    """create, cp, rm: the names the models directory holds."""
     p = sub.add_parser("create", help="register a local model under a name",
                        description="Make PATH (a GGUF file, whatever its name, or a Hugging Face folder with "
                        "config.json and *.safetensors, or an existing model's name) available as NAME, by a link "
@@ -268,9 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "(the weights it points to are kept).")
     p.add_argument("names", metavar="NAME", nargs="+")
     p.set_defaults(func=cmd_rm)
-
-    _add_optional_verbs(sub)
-    return parser
 
 
 def _add_optional_verbs(sub) -> None:
