@@ -1,4 +1,4 @@
-"""The one request validator (engine/request.check_request): the max_tokens rule and what it refuses,
+"""The one request validator (protocol/request.check_request): the max_tokens rule and what it refuses,
 naming the field."""
 
 import pytest

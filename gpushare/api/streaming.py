@@ -134,7 +134,7 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
                     num_ctx: int | None = None, clip: bool = False, field_names: dict[str, str] | None = None,
                     policies: dict | None = None) -> GenerationRequest:
-    """The one GenerationRequest for this request, its max_tokens fixed by engine/request.check_request
+    """The one GenerationRequest for this request, its max_tokens fixed by protocol/request.check_request
     (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
     the dialect) when it can never run."""
     limits, tenant_bytes = lease_limits(lease, tenant, policies)
