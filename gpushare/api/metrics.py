@@ -191,7 +191,7 @@ class StateCollector:
             healthy.add_metric([name], 1 if supervisor.healthy(name) and client.alive() else 0)
             restarts.add_metric([name], supervisor.status[name].restarts)
             tick_age.add_metric([name], max(0.0, now_s - client.last_tick_s))
-            models.add_metric([name], sum(1 for e in self.ctx.registry.loaded() if e.device == name))
+            models.add_metric([name], sum(1 for e in self.ctx.registry.loaded() if e.device_name == name))
         yield from (healthy, restarts, tick_age, models)
 
     def _memory_families(self):

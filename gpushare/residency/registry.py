@@ -29,7 +29,9 @@ from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
 from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
-from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
+from gpushare.protocol.device import Device
+from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
+from gpushare.residency.residency import Residency
 from gpushare.settings.model_options import ModelPreset
 from gpushare.protocol.weight_format import resolve_weights
 
@@ -56,8 +58,8 @@ class Lease:
         self.entry.outstanding_tokens += tokens
 
     @property
-    def engine(self):
-        """The engine (of the device) the model is loaded on."""
+    def device(self) -> Device:
+        """The device the model is loaded on (protocol/device.py)."""
         return self.entry.device
 
 
