@@ -38,6 +38,14 @@ class LocalDevice(Device):
         self.engine = engine
         self.name = name or engine.config.device
         self._loader = loader  # (path, dtype, device, progress, weights=...) -> LoadedModel
+        self.on_exit = None
+
+    # ---- life: the engine's thread (it never exits on its own, so on_exit is never called) -----
+    def start(self) -> None:
+        self.engine.start()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     # ---- the engine's side: its own ----------------------------------------------------------
     @property

@@ -34,6 +34,13 @@ class Device(Protocol):
     failure: str | None  # why the engine stopped for good, once it has (a worker never does: it restarts)
     last_tick_s: float  # time.monotonic() of the engine loop's latest turn
 
+    on_exit: Callable | None  # (device, why), set by its supervisor: called once its worker is gone
+
+    # ---- life (residency/device_supervisor.py starts, restarts and stops devices; blocking) ------
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
     def alive(self) -> bool: ...
 
     # ---- the engine's side ------------------------------------------------------------------
