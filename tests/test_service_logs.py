@@ -38,11 +38,11 @@ def test_under_systemd_without_systemd_python_stderr_lines_carry_priority(monkey
     monkeypatch.setattr(logs, "JournalHandler", None)
     monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
     logs.setup_logging("INFO")
-    logging.getLogger("gpushare.daemon.serve").error("model file missing")
-    logging.getLogger("gpushare.daemon.serve").info("listening")
+    logging.getLogger("gpushare.daemon").error("model file missing")
+    logging.getLogger("gpushare.daemon").info("listening")
     assert capsys.readouterr().err.splitlines() == [
-        "<3>gpushare.daemon.serve: model file missing",
-        "<6>gpushare.daemon.serve: listening",
+        "<3>gpushare.daemon: model file missing",
+        "<6>gpushare.daemon: listening",
     ]
 
 

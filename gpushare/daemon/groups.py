@@ -12,7 +12,7 @@ from gpushare.protocol.messages import GroupSpec, WorkerSpec
 from gpushare.residency.group_client import GroupClient
 from gpushare.residency.worker_client import WorkerClient
 
-log = logging.getLogger("gpushare.daemon.serve")
+log = logging.getLogger("gpushare.daemon")
 
 
 def plan_groups(settings: Settings, plans) -> list:

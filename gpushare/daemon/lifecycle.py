@@ -27,7 +27,7 @@ from gpushare.api.tenants import apply_tenant_settings
 from gpushare.settings.settings import ConfigError, Settings, reload_settings
 from gpushare.service import notify
 
-log = logging.getLogger("gpushare.daemon.serve")
+log = logging.getLogger("gpushare.daemon")
 
 STATUS_INTERVAL_S = 2.0
 DEFAULT_ENGINE_STALL_S = 30.0  # without a systemd watchdog: when /health calls the engine stalled

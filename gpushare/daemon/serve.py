@@ -38,7 +38,7 @@ from gpushare.residency.worker_client import WorkerClient, WorkerDied
 from gpushare.service import notify
 from gpushare.service.logs import setup_logging
 
-log = logging.getLogger("gpushare.daemon.serve")
+log = logging.getLogger("gpushare.daemon")
 
 ABORT_GRACE_S = 2.0  # after the drain, for aborted requests to write their error and close
 PRELOAD_EXTEND_USEC = 300_000_000  # asked of systemd's start timeout before each preload: 5 min per model
