@@ -15,7 +15,7 @@ from torch import nn
 
 from gpushare import kernels
 from gpushare.models import fused_decode
-from gpushare.models.config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
+from gpushare.catalog.model_config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
 from gpushare.models.quantized import Int8Weight, stack_rows
 
