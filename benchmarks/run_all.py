@@ -142,19 +142,13 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def cpu_kernels_info() -> dict:
-    """What gpushare's CPU path runs with here (issue 32: every run prints it beside its figures): the
-    weights format (``GPUSHARE_CPU_WEIGHTS``, else ``auto`` and this machine's kept verdict), the
-    quantized kernel verdict, the ISA of the C++ kernels (``GPUSHARE_CPU_ISA`` or the best the CPU
-    runs: the daemon started here resolves it from the same environment), their block kernel's
-    instructions and the CPU's SIMD flags. Builds the kernels if this machine has no build yet."""
+def kernels_build() -> dict:
+    """The C++ CPU kernels' build the daemon started here runs (issue 32: every run says so): its ISA
+    (``GPUSHARE_CPU_ISA`` or the best this CPU runs; the daemon resolves it from the same environment),
+    its block kernel's instructions and its build key. Loads (or builds) the kernels in this process."""
     from gpushare.kernels import cpu_ops
-    from gpushare.models import cpu_kernels
 
-    forced = os.environ.get("GPUSHARE_CPU_WEIGHTS")
-    kept = cpu_kernels.known_cpu_weights()
-    return {"weights": forced or f"auto (kept verdict: {kept or 'none yet'})",
-            "quantized_kernel": cpu_kernels.known_quantized_kernel() or "not measured yet", **cpu_ops.describe()}
+    return {k: v for k, v in cpu_ops.describe().items() if k != "cpu_flags"}
 
 
 def versions() -> dict:
@@ -368,7 +362,8 @@ def serving_formats(url: str) -> dict:
     except (OSError, ValueError, KeyError) as exc:
         return {"error": f"GET /api/ps: {exc}"}
     return {"models": {m["name"]: {"weights": m.get("weights"), "kernel": m.get("kernel")} for m in models},
-            "cpu_flags": simd_flags(), "env": {k: v for k, v in os.environ.items() if k.startswith("GPUSHARE_")}}
+            "cpu_flags": simd_flags(), "kernels": kernels_build(),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("GPUSHARE_")}}
 
 
 class TransformersBaseline:

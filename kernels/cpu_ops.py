@@ -89,8 +89,9 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def library_path(compiler: str, name: str) -> Path:
-    """Where this machine's build for ISA ``name`` is kept."""
+def library_path(compiler: str, name: str | None = None) -> Path:
+    """Where this machine's build for ISA ``name`` (default: ``isa()``) is kept."""
+    name = name or isa()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("|".join([*(s.read_text() for s in SOURCES + HEADERS), *FLAGS, name, *isa_flags(name),
                                    torch.__version__, version, _cpu_identity()]).encode())
@@ -137,8 +138,8 @@ def _run(commands: list[list[str]], deadline: float, compiler: str) -> None:
 
 @functools.cache
 def build_key() -> str:
-    """The key of this machine's build (source, flags, torch, compiler, CPU): what verdicts measured on
-    these kernels are kept against (models/cpu_kernels.py)."""
+    """The key of this machine's build (ISA, source, flags, torch, compiler, CPU), as ``ISA-HASH``: what
+    verdicts measured on these kernels are kept against (models/cpu_kernels.py)."""
     compiler = _compiler()
     return library_path(compiler).stem.removeprefix("cpu-ops-") if compiler else "none"
 
@@ -166,10 +167,9 @@ def loaded() -> bool:
 
 def describe() -> dict:
     """What the CPU kernels run here, for logs and benchmark reports: the ISA built for, the block
-    kernel's instructions, the build's file name (its key: what a kept timing of the kernels belongs
-    to) and the CPU flags that decide them (None for what could not be loaded)."""
+    kernel's instructions, the build's key (what a kept timing of the kernels belongs to) and the CPU flags that decide them (None for what could not be loaded)."""
     shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
     if not loaded():
         return {"isa": None, "block_kernel": None, "build": None, "cpu_flags": shown}
     return {"isa": isa(), "block_kernel": torch.ops.gpushare.quantized_matmul_kernel(),
-            "build": library_path(_compiler(), isa()).name, "cpu_flags": shown}
+            "build": build_key(), "cpu_flags": shown}
