@@ -1,0 +1,1 @@
+"""Where models come from: names, registries, pulls and gpushare's own content-addressed store."""
