@@ -43,10 +43,9 @@ def _lines(pull: Pull, shown: dict) -> list[dict]:
             label = layer.digest[7:19] if layer.digest.startswith("sha256:") else layer.digest
             lines.append({"status": f"pulling {label}", "digest": layer.digest, "total": layer.total,
                           "completed": layer.completed})
-    if pull.status not in ("downloading", "pulling manifest") and shown.get("status") != pull.status:
-        shown["status"] = pull.status
-        if pull.status != "success":
-            lines.append({"status": pull.status})
+    steps = pull.steps[shown.get("steps", 0):]
+    shown["steps"] = len(pull.steps)
+    lines += [{"status": step} for step in steps if step not in ("downloading", "success")]
     return lines
 
 
@@ -121,7 +120,9 @@ async def post_blob(request: web.Request) -> web.Response:
         blob_store.check_digest(digest)
         if request.content_length is not None:
             blob_store.check_free_space(root, request.content_length)
-        if blob_store.blob_path(root, digest).is_file():
+        if blob_store.blob_path(root, digest).is_file():  # read what the client sends all the same: a
+            async for _ in request.content.iter_chunked(UPLOAD_CHUNK_BYTES):  # reply mid-upload resets it
+                pass
             return web.Response(status=201)
         fd = blob_store.open_partial(root, digest, 0)
         try:

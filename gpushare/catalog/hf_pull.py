@@ -92,17 +92,17 @@ async def pull_folder(pull, root: Path, not_gguf: RegistryError) -> None:
     expected = {s.rfilename: f"sha256:{s.lfs.sha256}" if s.lfs and s.lfs.sha256 else None for s in files}
     blob_store.check_free_space(root, sum(sizes.values()))
     pull.layers = [LayerProgress(expected[s.rfilename] or s.rfilename, sizes[s.rfilename]) for s in files]
-    pull.status = "downloading"
+    pull.step("downloading")
     pull.checked.set()
     staging = root / ".hf-partial" / f"{pull.name.namespace}--{pull.name.model}--{revision}"
     fetched = {}
     for sibling, layer in zip(files, pull.layers):
         fetched[sibling.rfilename] = await _fetch_file(pull, staging, revision, sibling, layer)
-    pull.status = "verifying sha256 digest"
+    pull.step("verifying sha256 digest")
     digests = {}
     for filename, path in fetched.items():
         digests[filename] = await asyncio.to_thread(_store_file, root, path, expected[filename])
-    pull.status = "writing manifest"
+    pull.step("writing manifest")
     config = json.dumps({"model_format": "safetensors", "repository": pull.name.repository,
                          "revision": revision, "files": digests}, sort_keys=True).encode()
     config_digest = "sha256:" + hashlib.sha256(config).hexdigest()

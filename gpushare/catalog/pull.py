@@ -24,6 +24,7 @@ from pathlib import Path
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_download import LayerProgress, commit, download
 from gpushare.catalog.blob_store import StoreError, check_digest
+from gpushare.catalog.hf_pull import pull_folder
 from gpushare.catalog.names import PullName
 from gpushare.catalog.registry_client import Remote, RegistryError, fetch_manifest, new_session
 
@@ -53,6 +54,11 @@ class Pull:
     checked: asyncio.Event = field(default_factory=asyncio.Event)  # manifest read and checked, space is there
     task: asyncio.Task | None = None
     watchers: int = 0
+    steps: list[str] = field(default_factory=list)  # every status it went through, for watchers to replay
+
+    def step(self, status: str) -> None:
+        self.status = status
+        self.steps.append(status)
 
 
 def check_manifest(body: bytes, name: PullName) -> list[tuple[str, str, int]]:
@@ -110,7 +116,7 @@ async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes) ->
     blob_store.check_free_space(root, bytes_to_fetch(root, blobs))
     unique = list(dict.fromkeys((digest, size) for _, digest, size in blobs))
     pull.layers = [LayerProgress(digest, size) for digest, size in unique]
-    pull.status = "downloading"
+    pull.step("downloading")
     pull.checked.set()
     try:
         for layer in pull.layers:
@@ -119,17 +125,15 @@ async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes) ->
         for layer in pull.layers:
             blob_store.discard_partial(root, layer.digest)
         raise
-    pull.status = "verifying sha256 digest"
+    pull.step("verifying sha256 digest")
     for layer in pull.layers:
         await commit(root, layer.digest, layer.total)
-    pull.status = "writing manifest"
+    pull.step("writing manifest")
     blob_store.write_manifest(root, pull.name.parts, body)
 
 
 async def run_pull(pull: Pull, root: Path) -> None:
     """The whole pull; raises PullError (with the HTTP status for the API) on any failure."""
-    from gpushare.catalog.hf_pull import pull_folder
-
     try:
         async with new_session() as session:
             remote = Remote(pull.name, session)
@@ -141,7 +145,7 @@ async def run_pull(pull: Pull, root: Path) -> None:
                 await pull_folder(pull, root, e)  # a Hugging Face repo of safetensors, not GGUF
             else:
                 await _pull_manifest(pull, root, remote, body)
-        pull.status = "success"
+        pull.step("success")
         log.info("pulled %s", pull.name.display)
     except RegistryError as e:
         raise PullError(str(e), e.status if 400 <= e.status < 500 else 502) from None

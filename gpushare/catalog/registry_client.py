@@ -77,15 +77,14 @@ async def _authorize(remote: Remote, response: aiohttp.ClientResponse) -> bool:
 
 async def request(remote: Remote, method: str, url: str, headers: dict | None = None) -> aiohttp.ClientResponse:
     """`method url` with the pull's authorization, getting a token on the first 401; the caller closes it."""
-    for attempt in range(2):
-        response = await remote.session.request(method, url, headers={**remote.headers, **(headers or {})})
-        if response.status != 401 or attempt == 1:
-            return response
-        authorized = await _authorize(remote, response)
+    def send():
+        return remote.session.request(method, url, headers={**remote.headers, **(headers or {})})
+
+    response = await send()
+    if response.status == 401 and await _authorize(remote, response):  # also a token that expired mid-pull
         response.release()
-        if not authorized:
-            return await remote.session.request(method, url, headers={**remote.headers, **(headers or {})})
-    raise AssertionError("unreachable")
+        response = await send()
+    return response
 
 
 async def fetch_manifest(remote: Remote) -> bytes:
