@@ -113,6 +113,9 @@ def bytes_to_fetch(root: Path, blobs: list[tuple[str, str, int]]) -> int:
 
 async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes) -> None:
     blobs = check_manifest(body, pull.name)
+    if any(media == MEDIA + "template" for media, _, _ in blobs):
+        log.info("%s: its Go template layer is kept but not run; the GGUF's own chat template is used",
+                 pull.name.display)
     blob_store.check_free_space(root, bytes_to_fetch(root, blobs))
     unique = list(dict.fromkeys((digest, size) for _, digest, size in blobs))
     pull.layers = [LayerProgress(digest, size) for digest, size in unique]
