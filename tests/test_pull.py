@@ -13,7 +13,7 @@ import pytest
 from gpushare.catalog import blob_download, blob_store
 from gpushare.catalog.names import BadName, parse_name
 from gpushare.catalog.pull import Pull, PullError, Pulls, run_pull
-from gpushare.residency.ollama_store import scan_store
+from gpushare.catalog.ollama_store import scan_store
 from registry_fixture import Registry, Serving
 
 BLOB_BYTES = 3 << 20

@@ -9,11 +9,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gpushare.api.app import build_app
 from gpushare.api.context import ApiContext
-from gpushare.config import parse_settings
 from gpushare.engine.engine import Engine
-from gpushare.residency.devices import LocalDevice
-from gpushare.residency.node_engines import NodeEngines
+from gpushare.engine.local_device import LocalDevice
+from gpushare.residency.node_devices import NodeDevices
 from gpushare.residency.registry import Registry
+from gpushare.settings.settings import parse_settings
 from registry_fixture import Registry as ModelRegistry, Serving
 
 TENANTS = [{"name": "ops", "api_keys": ["ops-key"], "admin": True}, {"name": "alice", "api_keys": ["alice-key"]}]
@@ -31,7 +31,7 @@ def test_only_admins_start_pulls_or_upload_blobs_and_anyone_watches_one(tmp_path
     server = Serving(models)
     settings = parse_settings({"models": [], "models_dir": str(tmp_path / "models"), "tenants": TENANTS}, env={})
     devices = {"cpu": LocalDevice(Engine())}
-    app = build_app(ApiContext(NodeEngines(devices), Registry(devices, settings, dtype="float32"), settings))
+    app = build_app(ApiContext(NodeDevices(devices), Registry(devices, settings, dtype="float32"), settings))
     name = f"{models.host}/library/tiny:q4"
 
     async def scenario():

@@ -22,7 +22,7 @@ from gpushare.catalog import blob_store
 from gpushare.catalog.blob_download import LayerProgress
 from gpushare.catalog.blob_store import DigestMismatch
 from gpushare.catalog.registry_client import RegistryError
-from gpushare.residency.ollama_store import FOLDER_MEDIA_TYPE as FOLDER_MEDIA
+from gpushare.catalog.ollama_store import FOLDER_MEDIA_TYPE as FOLDER_MEDIA
 
 ALLOWED = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
