@@ -4,6 +4,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+from gpushare.engine.embed_batch import PendingEmbed
 from gpushare.engine.sequence import Sequence
 
 
@@ -19,10 +20,7 @@ class Cancel:
 
 @dataclass
 class Embed:
-    model_name: str
-    seqs: list[Sequence]
-    future: Future
-    done: tuple = ()  # the vectors of the inputs before ``seqs``
+    pending: PendingEmbed
 
 
 @dataclass
