@@ -350,7 +350,7 @@ def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
         assert wait_for(lambda: states()[SMOL] == "warm"), states()
         r = subprocess.run([str(GPUSHARE), "list"], capture_output=True, text=True, env=daemon.env())
         rows = {line.split()[0]: line.split()[-1] for line in r.stdout.splitlines()[1:]}
-        assert r.stdout.split()[:5] == ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]
+        assert r.stdout.split()[:6] == ["NAME", "ID", "SIZE", "MODIFIED", "KIND", "STATE"]
         assert rows == {TINY: "loaded", SMOL: "warm", COPY: "disk"}  # "on disk": the last word
 
         r = subprocess.run([str(GPUSHARE), "load", SMOL], capture_output=True, text=True, env=daemon.env())

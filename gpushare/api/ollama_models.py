@@ -17,7 +17,7 @@ from aiohttp import web
 from gpushare.api.context import context, off_loop
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field, read_json_object, required_string
-from gpushare.api.ollama import CAPABILITIES, rfc3339
+from gpushare.api.ollama import rfc3339
 from gpushare.api.tenants import check_admin, check_model, is_admin
 from gpushare.residency.registry import RegistrationError
 from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
@@ -62,7 +62,7 @@ async def show(request: web.Request) -> web.Response:
         "parameters": parameters_text(preset.options),
         "template": preset.template if preset.template is not None else desc.template or "",
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES,
+        "details": desc.details, "model_info": model_info, "capabilities": desc.capabilities,
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
     }
     if preset.messages:

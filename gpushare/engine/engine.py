@@ -35,8 +35,8 @@ from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.model_worker import ModelWorker
-from gpushare.engine.request import (EmbedRequest, EngineFailed, GenerationRequest, KVCacheBusy, check_embed, check_request,
-                                     model_limits, tenant_limit_bytes)
+from gpushare.engine.request import (EmbedRequest, EngineFailed, GenerationRequest, KVCacheBusy, check_embed,
+                                     check_request, model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
 from gpushare.engine.sampling_params import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
