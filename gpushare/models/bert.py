@@ -21,10 +21,13 @@ _LAYER_NAMES = {  # Hugging Face name inside a layer -> llama.cpp's
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",  # nomic-bert
     "self_attn.o_proj": "attn_output", "post_attention_layernorm": "attn_output_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_mlp_layernorm": "layer_output_norm",
+    "attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output", "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate",
+    "mlp.fc2": "ffn_down", "norm1": "attn_output_norm", "norm2": "layer_output_norm",  # nomic-bert as saved
 }
 _GLOBAL_NAMES = {
     "embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
     "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm",
+    "emb_ln": "token_embd_norm",
     # The cross-encoder head: BERT's pooler + classifier, RoBERTa's classifier.dense + out_proj (both
     # dense -> tanh -> one logit on the first token), as llama.cpp's cls / cls.output.
     "pooler.dense": "cls", "classifier.dense": "cls", "classifier.out_proj": "cls.output", "classifier": "cls.output",
@@ -141,8 +144,8 @@ class EncoderModel(nn.Module):
         lengths = torch.tensor([len(x) for x in ids], device=dev)
         key_mask = (torch.arange(length, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
         x = self.token_embd[tokens]
-        if self.token_types is not None:
-            x = x + self.token_types[types]
+        if self.token_types is not None:  # one row (RoBERTa): no second segment, every token is type 0
+            x = x + self.token_types[types.clamp_(max=self.token_types.shape[0] - 1)]
         rope = None
         if self.position_embd is not None:
             x = x + self.position_embd[torch.arange(length, device=dev) + self.config.position_offset]

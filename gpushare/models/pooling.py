@@ -1,6 +1,6 @@
 """How a model turns its last hidden states into one vector, as its files declare it: the
 sentence-transformers modules (``modules.json``, ``1_Pooling/config.json`` in the old per-mode keys or
-the newer ``pooling_mode``, ``Normalize``, ``sentence_bert_config.json``'s ``max_seq_length``) or GGUF's
+the newer ``pooling_mode``, ``Normalize``, the ``max_seq_length`` inputs are cut to) or GGUF's
 ``{arch}.pooling_type``. Torch-free (the supervisor reads it); ``pool`` in models/encoder_pool.py applies it.
 
 Where nothing is declared: mean pooling, L2-normalised (what Ollama returns for any model).
@@ -59,8 +59,14 @@ def _pooling_mode(config_file: str) -> str:
 
 
 def _max_seq_length(path: str) -> int | None:
-    file = os.path.join(path, "sentence_bert_config.json")
-    return json.load(open(file)).get("max_seq_length") if os.path.isfile(file) else None
+    """sentence_bert_config.json's max_seq_length, else (sentence-transformers 6 keeps it there) the
+    tokenizer's model_max_length; None when neither bounds it."""
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        file = os.path.join(path, name)
+        value = json.load(open(file)).get(key) if os.path.isfile(file) else None
+        if isinstance(value, int) and 0 < value < 1 << 30:  # transformers writes 1e30 for "no limit"
+            return value
+    return None
 
 
 def pooling_from_gguf(meta: dict) -> Pooling:

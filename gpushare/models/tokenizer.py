@@ -166,13 +166,16 @@ def _wordpiece(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
         word = token if kind == _CONTROL else token[1:] if token.startswith("\u2581") else "##" + token
         vocab.setdefault(word, i)
 
-    def token_id(*keys):
+    def token_id(name, *keys):
         for key in keys:
             if meta.get(f"tokenizer.ggml.{key}") is not None:
                 return int(meta[f"tokenizer.ggml.{key}"])
-        raise ValueError(f"a BERT GGUF without tokenizer.ggml.{keys[0]}")
+        if name in vocab:  # older converters wrote no id for it
+            return vocab[name]
+        raise ValueError(f"a BERT GGUF without tokenizer.ggml.{keys[0]} nor a {name} token")
 
-    cls, sep = token_id("cls_token_id", "bos_token_id"), token_id("seperator_token_id", "eos_token_id")
+    cls = token_id("[CLS]", "cls_token_id", "bos_token_id")
+    sep = token_id("[SEP]", "seperator_token_id", "eos_token_id")
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     hf = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[int(unk)] if unk is not None else "[UNK]",
                                       max_input_chars_per_word=100))
