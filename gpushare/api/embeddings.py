@@ -29,7 +29,8 @@ def check_serves(loaded, name: str, task: str) -> None:
     """400 unless the model serves ``task`` (chat | embed | rerank)."""
     kind = loaded.kind
     if task not in SERVES[kind]:
-        raise bad_request(f'"{name}" is a {kind} model: it serves {_FOR[kind]}, not {task}', param="model")
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise bad_request(f'"{name}" is {article} {kind} model: it serves {_FOR[kind]}, not {task}', param="model")
 
 
 def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[int]]:
