@@ -47,13 +47,13 @@ def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[in
     return out
 
 
-def _pairs(loaded, pairs: list[tuple[str, str]], limit: int) -> tuple[list[list[int]], list[list[int]]]:
+def _pairs(loaded, pairs: list[tuple[str, str]], limit: int) -> tuple[list[list[int]], list[list[int]] | None]:
     ids, types = [], []
     for query, document in pairs:
-        pair_ids, pair_types, _ = loaded.tokenizer.encode_pair(query, document, limit)
+        pair_ids, pair_types = loaded.pair_input(query, document, limit)
         ids.append(pair_ids)
         types.append(pair_types)
-    return ids, types
+    return ids, (types if all(t is not None for t in types) else None)
 
 
 def matryoshka(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:

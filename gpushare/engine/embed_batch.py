@@ -18,6 +18,7 @@ from gpushare.engine.request import KVCacheBusy
 from gpushare.engine.sampling_params import SamplingParams
 from gpushare.engine.sequence import Sequence
 from gpushare.models.embedding_pool import pool
+from gpushare.models.llm_rerank import yes_no_ids
 from gpushare.models.model_head import LoadedModel
 
 
@@ -110,12 +111,20 @@ def run_decoder(scheduler, runner, taken: list[tuple[PendingEmbed, int]]) -> Non
             held.append(seq)
         with torch.inference_mode():
             hidden, last_rows = runner.hidden_states(held, [s.num_pending for s in held])
+            scores = _yes_scores(runner.loaded, hidden, last_rows, len(held)) if owners[0].task == "score" else None  # one model: one task
         for i, (seq, item) in enumerate(zip(held, owners)):
             rows = hidden[last_rows[i] - len(seq.prompt_ids) + 1:last_rows[i] + 1]
-            item.results.append(pool(rows, runner.loaded.pooling))
+            item.results.append(scores[i] if item.task == "score" else pool(rows, runner.loaded.pooling))
     finally:
         for seq in held:
             scheduler.pool.release(seq.block_table, seq.tenant)
+
+
+def _yes_scores(loaded: LoadedModel, hidden: torch.Tensor, last_rows: dict, count: int) -> list[float]:
+    """An LLM reranker's P("yes") over {"yes", "no"} at each prompt's last token (models/llm_rerank.py)."""
+    yes, no = yes_no_ids(loaded.tokenizer)
+    logits = loaded.model.logits(hidden, torch.tensor([last_rows[i] for i in range(count)], device=hidden.device))
+    return torch.softmax(logits[:, [no, yes]].float(), dim=-1)[:, 1].tolist()
 
 
 def _borrow_blocks(scheduler, seq: Sequence) -> None:

@@ -14,7 +14,8 @@ from gpushare.models.config import ModelConfig, config_from_gguf, config_from_hf
 from gpushare.models.encoder_config import (EncoderConfig, encoder_config_from_gguf, encoder_config_from_hf,
                                             is_encoder_gguf, is_encoder_hf)
 from gpushare.models.gguf_reader import open_gguf
-from gpushare.models.pooling import Pooling, pooling_from_dir, pooling_from_gguf
+from gpushare.models.llm_rerank import rerank_prompt_ids
+from gpushare.models.pooling import RANK, Pooling, pooling_from_dir, pooling_from_gguf
 from gpushare.models.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -51,6 +52,15 @@ class LoadedModel:
         from gpushare.models.llama import weight_bytes
 
         return weight_bytes(self.model)
+
+    def pair_input(self, query: str, document: str, max_tokens: int) -> tuple[list[int], list[int] | None]:
+        """A reranker's input for one (query, document): a cross-encoder's framed pair with its token types,
+        or an LLM reranker's prompt (models/llm_rerank.py); cut to ``max_tokens``."""
+        if getattr(self.config, "is_encoder", False):
+            ids, types, _ = self.tokenizer.encode_pair(query, document, max_tokens)
+            return ids, types
+        ids, _ = rerank_prompt_ids(self.tokenizer, query, document, max_tokens)
+        return ids, None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
@@ -101,6 +111,8 @@ def fit_context(config, pooling: Pooling) -> None:
 def model_kind(config, pooling: Pooling) -> str:
     if getattr(config, "is_encoder", False):
         return config.kind
+    if pooling.mode == RANK:
+        return "rerank"
     return "embedding" if pooling.declared else "chat"
 
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 POOLING_MODES = ("mean", "cls", "last")
+RANK = "rank"  # not a vector: a reranker's relevance score (models/llm_rerank.py for decoders)
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum llama_pooling_type; 4 (rank) is a reranker
 _OLD_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 _IGNORED_MODULES = ("Transformer",)  # the model itself
@@ -26,6 +27,10 @@ class Pooling:
 
 
 def pooling_from_dir(path: str) -> Pooling:
+    from gpushare.models.llm_rerank import is_llm_reranker_dir
+
+    if is_llm_reranker_dir(path):
+        return Pooling(RANK, False, declared=True)
     modules_file = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_file):
         return Pooling()
@@ -71,8 +76,13 @@ def _max_seq_length(path: str) -> int | None:
 
 def pooling_from_gguf(meta: dict) -> Pooling:
     value = meta.get(f"{meta.get('general.architecture')}.pooling_type")
-    if value is None or int(value) in (0, 4):  # none (per-token vectors) or rank: pool the default way
+    if value is None or int(value) == 0:  # none (per-token vectors): pool the default way
         return Pooling()
+    if int(value) == 4:
+        if meta.get("general.architecture") not in ("bert", "nomic-bert"):
+            raise ValueError("an LLM reranker in GGUF (pooling_type 4 on a decoder) is not supported: serve its "
+                             "Hugging Face folder")
+        return Pooling(RANK, False, declared=True)
     if int(value) not in _GGUF_POOLING:
         raise ValueError(f"GGUF pooling_type {value} is not supported (1 mean, 2 cls, 3 last, 4 rank)")
     return Pooling(_GGUF_POOLING[int(value)], True, declared=True)
