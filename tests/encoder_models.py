@@ -163,9 +163,23 @@ def cosines(a, b) -> list[float]:
     return list((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1))
 
 
-def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1) -> Path:
-    """The BERT sentence-transformers model as llama.cpp's convert_hf_to_gguf writes it: arch ``bert``,
-    q/k/v apart, the phantom-space WordPiece vocabulary, ``bert.pooling_type`` (1 mean, 2 cls)."""
+_GGUF_NAMES = {  # llama.cpp's tensor_mapping for these checkpoints' names
+    "bert": {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
+             "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm",
+             "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+             "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+             "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"},
+    "nomic-bert": {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
+                   "emb_ln": "token_embd_norm", "attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output",
+                   "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate", "mlp.fc2": "ffn_down", "norm1": "attn_output_norm",
+                   "norm2": "layer_output_norm"},
+}
+
+
+def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1, arch: str = "bert") -> Path:
+    """The sentence-transformers model as llama.cpp's convert_hf_to_gguf writes it: arch ``bert`` (q/k/v
+    apart) or ``nomic-bert`` (q/k/v stacked, rotary, gated MLP), the phantom-space WordPiece vocabulary,
+    ``{arch}.pooling_type`` (1 mean, 2 cls)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -174,7 +188,7 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1) -> Path:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     control = {i for i, t in enumerate(tokens) if t.startswith("[") and t.endswith("]")}
     spelled = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t for i, t in enumerate(tokens)]
-    writer = gguf.GGUFWriter(str(out), "bert")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -183,6 +197,8 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1) -> Path:
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    if arch == "nomic-bert":
+        writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_tokenizer_model("bert")
     writer.add_token_list(spelled)
     writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
@@ -192,11 +208,7 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1) -> Path:
     writer.add_sep_token_id(vocab["[SEP]"])
     writer.add_pad_token_id(vocab["[PAD]"])
     writer.add_unk_token_id(vocab["[UNK]"])
-    names = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
-             "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
-    layer = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
-             "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
-             "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    names = _GGUF_NAMES[arch]
     for name, tensor in load_file(str(st_folder / "model.safetensors")).items():
         stem, kind = name.rsplit(".", 1)
         if stem.startswith("pooler."):  # an embedding model's GGUF leaves the pooler out, as llama.cpp's does
@@ -204,8 +216,8 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1) -> Path:
         if stem in names:
             gguf_name = f"{names[stem]}.{kind}"
         else:
-            _, _, i, rest = stem.split(".", 3)  # encoder.layer.N.rest
-            gguf_name = f"blk.{i}.{layer[rest]}.{kind}"
+            _, _, i, rest = stem.split(".", 3)  # encoder.layer(s).N.rest
+            gguf_name = f"blk.{i}.{names[rest]}.{kind}"
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -103,6 +103,16 @@ def test_a_gguf_bert_gives_the_same_vectors(bert, tmp_path):
     assert min(cosines(vectors, oracle_vectors(bert, TEXTS))) > 1 - 1e-5
 
 
+def test_a_gguf_nomic_bert_gives_the_same_vectors(tmp_path):
+    path = nomic_bert_embedder(tmp_path / "nomic")
+    gguf_path = write_bert_gguf(path, tmp_path / "nomic.gguf", arch="nomic-bert")
+    loaded = load_model(str(gguf_path))
+    assert (loaded.config.arch, loaded.config.rotary, loaded.kind) == ("nomic-bert", True, "embedding")
+    with engine_with(loaded) as engine:
+        vectors = embed(engine, TEXTS)
+    assert min(cosines(vectors, oracle_vectors(path, TEXTS))) > 1 - 1e-5
+
+
 def test_a_gguf_pooling_type_cls_is_followed(bert, tmp_path):
     gguf_path = write_bert_gguf(bert, tmp_path / "bert-cls.gguf", pooling_type=2)
     loaded = load_model(str(gguf_path))
