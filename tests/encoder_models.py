@@ -169,11 +169,76 @@ _GGUF_NAMES = {  # llama.cpp's tensor_mapping for these checkpoints' names
              "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
              "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
              "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"},
+    "xlm-roberta": {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
+                    "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm",
+                    "attention.self.query": "attn_q", "attention.self.key": "attn_k",
+                    "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
+                    "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
+                    "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"},
     "nomic-bert": {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
                    "emb_ln": "token_embd_norm", "attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output",
                    "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate", "mlp.fc2": "ffn_down", "norm1": "attn_output_norm",
                    "norm2": "layer_output_norm"},
 }
+
+
+def write_xlm_roberta_gguf(st_folder: Path, out: Path, pooling_type: int = 2) -> Path:
+    """XLM-RoBERTa as llama.cpp's XLMRobertaModel converter writes it: arch ``bert``, a ``t5`` (Unigram)
+    vocabulary with its scores, and the first padding_idx + 1 position rows dropped (positions from 0)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((st_folder / "config.json").read_text())
+    model = json.loads((st_folder / "tokenizer.json").read_text())["model"]
+    tokens, scores = [p[0] for p in model["vocab"]], [p[1] for p in model["vocab"]]
+    offset = config["pad_token_id"] + 1
+    writer = _encoder_header(out, "bert", config, pooling_type, config["max_position_embeddings"] - offset)
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in ("<s>", "<pad>", "</s>") else
+                            gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_type_count(config["type_vocab_size"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(1)
+    writer.add_unk_token_id(3)
+    state = load_file(str(st_folder / "model.safetensors"))
+    state["embeddings.position_embeddings.weight"] = state["embeddings.position_embeddings.weight"][offset:]
+    _encoder_tensors(writer, state, _GGUF_NAMES["xlm-roberta"])
+    return out
+
+
+def _encoder_header(out: Path, arch: str, config: dict, pooling_type: int, context_length: int):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    return writer
+
+
+def _encoder_tensors(writer, state: dict, names: dict) -> None:
+    for name, tensor in state.items():
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("pooler."):  # an embedding model's GGUF leaves the pooler out, as llama.cpp's does
+            continue
+        if stem in names:
+            gguf_name = f"{names[stem]}.{kind}"
+        else:
+            _, _, i, rest = stem.split(".", 3)  # encoder.layer(s).N.rest
+            gguf_name = f"blk.{i}.{names[rest]}.{kind}"
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1, arch: str = "bert") -> Path:
@@ -188,15 +253,7 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1, arch: str
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     control = {i for i, t in enumerate(tokens) if t.startswith("[") and t.endswith("]")}
     spelled = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t for i, t in enumerate(tokens)]
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_layer_norm_eps(config["layer_norm_eps"])
-    writer.add_causal_attention(False)
-    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    writer = _encoder_header(out, arch, config, pooling_type, config["max_position_embeddings"])
     if arch == "nomic-bert":
         writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_tokenizer_model("bert")
@@ -208,19 +265,5 @@ def write_bert_gguf(st_folder: Path, out: Path, pooling_type: int = 1, arch: str
     writer.add_sep_token_id(vocab["[SEP]"])
     writer.add_pad_token_id(vocab["[PAD]"])
     writer.add_unk_token_id(vocab["[UNK]"])
-    names = _GGUF_NAMES[arch]
-    for name, tensor in load_file(str(st_folder / "model.safetensors")).items():
-        stem, kind = name.rsplit(".", 1)
-        if stem.startswith("pooler."):  # an embedding model's GGUF leaves the pooler out, as llama.cpp's does
-            continue
-        if stem in names:
-            gguf_name = f"{names[stem]}.{kind}"
-        else:
-            _, _, i, rest = stem.split(".", 3)  # encoder.layer(s).N.rest
-            gguf_name = f"blk.{i}.{names[rest]}.{kind}"
-        writer.add_tensor(gguf_name, tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _encoder_tensors(writer, load_file(str(st_folder / "model.safetensors")), _GGUF_NAMES[arch])
     return out

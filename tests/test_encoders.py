@@ -8,7 +8,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 from encoder_models import (DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cross_encoder, nomic_bert_embedder,
-                            oracle_scores, oracle_vectors, write_bert_gguf, xlm_roberta_embedder)
+                            oracle_scores, oracle_vectors, write_bert_gguf, write_xlm_roberta_gguf,
+                            xlm_roberta_embedder)
 
 from gpushare.engine.embed_batch import PendingEmbed, take_batch
 from gpushare.engine.engine import Engine
@@ -110,6 +111,18 @@ def test_a_gguf_nomic_bert_gives_the_same_vectors(tmp_path):
     assert (loaded.config.arch, loaded.config.rotary, loaded.kind) == ("nomic-bert", True, "embedding")
     with engine_with(loaded) as engine:
         vectors = embed(engine, TEXTS)
+    assert min(cosines(vectors, oracle_vectors(path, TEXTS))) > 1 - 1e-5
+
+
+def test_a_gguf_xlm_roberta_with_a_t5_vocabulary_gives_the_same_vectors(tmp_path):
+    path = xlm_roberta_embedder(tmp_path / "xlmr")
+    gguf_path = write_xlm_roberta_gguf(path, tmp_path / "xlmr.gguf", pooling_type=2)
+    from_gguf, from_hf = load_model(str(gguf_path)), load_model(str(path))
+    for text in TEXTS:  # the Unigram vocabulary and its scores tokenise as the repo's tokenizer.json
+        assert from_gguf.tokenizer.encode_input(text, 120) == from_hf.tokenizer.encode_input(text, 120)
+    with engine_with(from_gguf) as engine:
+        vectors = embed(engine, TEXTS)
+    # The GGUF's pooling_type (cls) and llama.cpp's normalising; the repo has no Normalize module: cosine.
     assert min(cosines(vectors, oracle_vectors(path, TEXTS))) > 1 - 1e-5
 
 

@@ -6,7 +6,8 @@ inputs wait (4,000 in one request), a generating stream's next token waits for o
 
 An encoder (models/bert.py) reads its batch padded to the longest input and holds no KV cache; a
 decoder embeds over KV blocks its inputs borrow for the one pass, charged to their tenant, and
-preempts for them as a prompt would (KVCacheBusy when even that cannot make room).
+preempts for them as a prompt would (KVCacheBusy when even that cannot make room). Scores come from a
+cross-encoder's head, or from an LLM reranker's yes/no logits at each prompt's last token.
 """
 
 from concurrent.futures import Future
@@ -111,7 +112,8 @@ def run_decoder(scheduler, runner, taken: list[tuple[PendingEmbed, int]]) -> Non
             held.append(seq)
         with torch.inference_mode():
             hidden, last_rows = runner.hidden_states(held, [s.num_pending for s in held])
-            scores = _yes_scores(runner.loaded, hidden, last_rows, len(held)) if owners[0].task == "score" else None  # one model: one task
+            scoring = owners[0].task == "score"  # one model serves one task (api/embeddings.check_serves)
+            scores = _yes_scores(runner.loaded, hidden, last_rows, len(held)) if scoring else None
         for i, (seq, item) in enumerate(zip(held, owners)):
             rows = hidden[last_rows[i] - len(seq.prompt_ids) + 1:last_rows[i] + 1]
             item.results.append(scores[i] if item.task == "score" else pool(rows, runner.loaded.pooling))

@@ -142,8 +142,10 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
     elif kind == "bert":
         return _wordpiece(meta, tokens, types)
+    elif kind == "t5":
+        return _unigram(meta, tokens, types)
     else:
-        raise ValueError(f"unsupported GGUF tokenizer type {kind!r} (supported: gpt2, llama, bert)")
+        raise ValueError(f"unsupported GGUF tokenizer type {kind!r} (supported: gpt2, llama, bert, t5)")
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty == _CONTROL])
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
@@ -189,6 +191,30 @@ def _wordpiece(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
                            for t, ty in zip(tokens, types) if ty == _CONTROL])
     special = {i for i, ty in enumerate(types) if ty == _CONTROL}
     return Tokenizer(hf, bos_token=tokens[cls], eos_token=tokens[sep], special_ids=special, encoder=True)
+
+
+def _unigram(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+    """XLM-RoBERTa's SentencePiece Unigram (bge-m3, mxbai) from llama.cpp's ``t5`` vocabulary: pieces
+    and scores, its precompiled normaliser, U+2581 word starts; inputs framed <s> A </s> (</s> B </s>)."""
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    hf = HFTokenizer(models.Unigram(list(zip(tokens, map(float, scores))), unk_id=unk, byte_fallback=False))
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    steps = [normalizers.Precompiled(bytes(charsmap))] if charsmap else []
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    if steps:
+        hf.normalizer = normalizers.Sequence(steps)
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    bos, eos = int(meta.get("tokenizer.ggml.bos_token_id", 0)), int(meta.get("tokenizer.ggml.eos_token_id", 2))
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[bos]} $A {tokens[eos]}", pair=f"{tokens[bos]} $A {tokens[eos]} {tokens[eos]} $B {tokens[eos]}",
+        special_tokens=[(tokens[bos], bos), (tokens[eos], eos)])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _CONTROL])
+    special = {i for i, ty in enumerate(types) if ty == _CONTROL}
+    return Tokenizer(hf, bos_token=tokens[bos], eos_token=tokens[eos], special_ids=special, encoder=True)
 
 
 def _token_text(value):
