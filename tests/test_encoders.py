@@ -170,3 +170,20 @@ def test_an_embedding_flood_never_holds_a_generating_stream_back_more_than_one_b
     batches_between_steps = [b - a for a, b in zip(seen, seen[1:])]
     assert max(batches_between_steps) == 1  # the two ran side by side, and never two batches in a row
     assert encoder.steps >= 4000 * len(ids) // 256  # the inputs shared steps by the token budget, not one each
+
+
+def test_a_cancelled_embedding_runs_no_more_batches(bert):
+    """A client that leaves cancels its future (asyncio.wrap_future does): its inputs not yet run are dropped."""
+    with engine_with(bert, max_num_batched_tokens=64) as engine:
+        encoder = engine.encoders["enc"]
+        ids = encoder.loaded.tokenizer.encode_input("the cat sat on the river bank", 32)[0]
+        future = engine.embed(EmbedRequest("enc", [ids] * 20_000))  # about 3,000 batches of 7 inputs
+        for _ in range(600):
+            if encoder.steps:
+                break
+            threading.Event().wait(0.05)
+        assert future.cancel()
+        steps_at_cancel = encoder.steps
+        assert len(embed(engine, TEXTS[:1])) == 1  # the loop has moved on past the cancelled request
+        assert engine.pending_embeds == []
+        assert encoder.steps - steps_at_cancel < 100
