@@ -84,4 +84,4 @@ def load_encoder(path: str, dtype: torch.dtype, device: str, progress=None, weig
     except KeyError as e:
         raise ValueError(f"{path}: the {config.arch} encoder lacks tensor {e.args[0]}") from None
     return LoadedModel(path, config, model.eval(), tokenizer, template, stop, dtype, device, info, info["weights"],
-                       pooling=pooling)
+                       kernel="torch", pooling=pooling)  # torch's own linears, dense

@@ -10,12 +10,13 @@ import torch
 
 from gpushare import kernels
 from gpushare.models.config import config_from_gguf, config_from_hf
-from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
+from gpushare.models.cpu_kernels import measure_again_if_provisional, quantized_kernel, wide_int8_kernel
 from gpushare.models.encoder_config import is_encoder_gguf, is_encoder_hf
 from gpushare.models.encoder_loader import load_encoder
 from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
+from gpushare.models.linear import Linear
 from gpushare.models.llama import build_model
 from gpushare.models.pooling import pooling_from_dir, pooling_from_gguf
 from gpushare.models.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
@@ -100,6 +101,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     its ``config`` then has the rank's heads and MLP channels. The whole file is read first.
     """
     torch_dtype = resolve_dtype(dtype)
+    measure_again_if_provisional()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     if _is_encoder(path):
@@ -122,6 +124,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
             wide_int8_kernel()
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
+                       kernel=linear_kernels(model),
                        whole_config=whole_config if tensor_parallel is not None else None,
                        pooling=pooling_from_dir(path) if os.path.isdir(path) else pooling_from_gguf(open_gguf(path)[0]))
 
@@ -131,6 +134,15 @@ def _is_encoder(path: str) -> bool:
         cfg_file = os.path.join(path, "config.json")
         return os.path.isfile(cfg_file) and is_encoder_hf(json.load(open(cfg_file)))
     return is_encoder_gguf(open_gguf(path)[0])
+
+
+def linear_kernels(model) -> str:
+    """The kernels a built model's linears run on, most weights first ("cpu-blocks", "onednn", ...)."""
+    weights_by_kernel: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            weights_by_kernel[module.kernel] = weights_by_kernel.get(module.kernel, 0) + module.in_features * module.out_features
+    return "+".join(sorted(weights_by_kernel, key=weights_by_kernel.get, reverse=True))
 
 
 def return_freed_memory() -> None:
