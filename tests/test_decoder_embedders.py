@@ -10,11 +10,11 @@ import torch
 from encoder_models import DOCUMENTS, QUERY, TEXTS, WORDS, cosines, oracle_vectors, write_sentence_transformer
 
 from gpushare.engine.engine import Engine
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.request import EmbedRequest
-from gpushare.models.llm_rerank import DEFAULT_INSTRUCTION, _PREFIX, _SUFFIX
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.protocol.request import EmbedRequest
+from gpushare.catalog.llm_rerank import DEFAULT_INSTRUCTION, _PREFIX, _SUFFIX
 from gpushare.models.loader import load_model
-from gpushare.models.model_head import load_model_head
+from gpushare.catalog.model_head import load_model_head
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -110,7 +110,7 @@ def test_a_yes_no_llm_reranker_scores_as_its_model_card(tmp_path, engine):
 
 
 def test_a_decoder_gguf_marked_rank_is_refused_by_name():
-    from gpushare.models.pooling import pooling_from_gguf
+    from gpushare.catalog.pooling import pooling_from_gguf
 
     with pytest.raises(ValueError, match="LLM reranker in GGUF"):
         pooling_from_gguf({"general.architecture": "qwen3", "qwen3.pooling_type": 4})

@@ -13,10 +13,10 @@ from encoder_models import (DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cro
 
 from gpushare.engine.embed_batch import PendingEmbed, take_batch
 from gpushare.engine.engine import Engine
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.request import EmbedRequest
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.protocol.request import EmbedRequest
 from gpushare.models.loader import load_model
-from gpushare.models.model_head import load_model_head, read_model_info
+from gpushare.catalog.model_head import load_model_head, read_model_info
 
 
 @contextmanager

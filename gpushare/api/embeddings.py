@@ -18,7 +18,7 @@ from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
-from gpushare.engine.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
+from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 SERVES = {"chat": ("chat", "embed"), "embedding": ("embed",), "rerank": ("rerank",)}
 _FOR = {"chat": "chat and completion (and embeddings)", "embedding": "embeddings (/api/embed, /v1/embeddings)",
@@ -107,7 +107,7 @@ async def _run(request: web.Request, model: str, keep_alive: float | None, count
         if not count:
             return [], timings
         check_serves(lease.model, model, task)
-        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.engine.tenant_policies)
+        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.node.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists, type_ids = await off_loop(tokenise, lease.model, limit)
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
@@ -117,7 +117,7 @@ async def _run(request: web.Request, model: str, keep_alive: float | None, count
                              task="score" if task == "rerank" else "embed")
         try:
             check_embed(token_lists, model_limits, tenant_limit_bytes, ticket.tenant)
-            results = await asyncio.wrap_future(lease.engine.embed(embed))
+            results = await asyncio.wrap_future(lease.device.embed(embed))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpushare.engine.request import KVCacheBusy
-from gpushare.engine.sampling_params import SamplingParams
+from gpushare.protocol.request import KVCacheBusy
+from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.engine.sequence import Sequence
 from gpushare.models.embedding_pool import pool
-from gpushare.models.llm_rerank import yes_no_ids
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.llm_rerank import yes_no_ids
+from gpushare.catalog.model_head import LoadedModel
 
 
 @dataclass
-class EncoderWorker:
+class ResidentEncoder:
     """A loaded encoder inside the engine: no scheduler and no KV cache, only counters."""
     name: str
     loaded: LoadedModel
@@ -71,7 +71,7 @@ def take_batch(pending: list[PendingEmbed], budget_tokens: int, padded: bool) ->
     return taken
 
 
-def run_encoder(worker: EncoderWorker, taken: list[tuple[PendingEmbed, int]]) -> None:
+def run_encoder(worker: ResidentEncoder, taken: list[tuple[PendingEmbed, int]]) -> None:
     """One padded forward pass over the taken inputs; each request gets its vectors or scores."""
     ids, types, owners = [], [], []
     for item, n in taken:

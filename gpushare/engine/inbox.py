@@ -1,4 +1,10 @@
-"""The engine's inbox: what other threads hand the engine thread, one typed item each."""
+"""The engine's inbox: what other threads hand the engine thread, one typed item each.
+
+A cancel is the wire's own ``Cancel`` (protocol/messages.py). The other items carry what only this
+process has: a Sequence made on the caller's thread (its grammar compiled, its generator seeded),
+futures, functions; so they are not wire messages, and are named apart from the wire's ``Submit``
+and ``Embed``, which a worker turns into them (engine/worker.py).
+"""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -6,20 +12,19 @@ from typing import Callable
 
 from gpushare.engine.embed_batch import PendingEmbed
 from gpushare.engine.sequence import Sequence
+from gpushare.protocol.messages import Cancel
+
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake"]
 
 
 @dataclass
-class Submit:
+class AddSequence:
     seq: Sequence
 
 
 @dataclass
-class Cancel:
-    request_id: str
-
-
-@dataclass
-class Embed:
+class EmbedInputs:
+    """An embed request taken in: its inputs, results so far and future (engine/embed_batch.py)."""
     pending: PendingEmbed
 
 

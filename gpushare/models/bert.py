@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpushare.models.encoder_config import EncoderConfig
+from gpushare.catalog.encoder_config import EncoderConfig
 
 _LAYER_NAMES = {  # Hugging Face name inside a layer -> llama.cpp's
     "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",

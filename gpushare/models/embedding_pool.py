@@ -2,7 +2,7 @@
 
 import torch
 
-from gpushare.models.pooling import Pooling
+from gpushare.catalog.pooling import Pooling
 
 
 def pool(rows: torch.Tensor, pooling: Pooling) -> list[float]:

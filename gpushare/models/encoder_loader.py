@@ -11,12 +11,13 @@ import os
 
 import torch
 
+from gpushare.catalog.encoder_config import encoder_config_from_gguf, encoder_config_from_hf
+from gpushare.catalog.gguf_reader import GGUFError, open_gguf
+from gpushare.catalog.model_head import LoadedModel, fit_context, gguf_info, gguf_text_side, hf_info, hf_text_side
+from gpushare.catalog.pooling import pooling_from_dir, pooling_from_gguf
 from gpushare.models.bert import EncoderModel, hf_encoder_name
-from gpushare.models.encoder_config import encoder_config_from_gguf, encoder_config_from_hf
 from gpushare.models.gguf_file import _dense
-from gpushare.models.gguf_reader import GGUFError, open_gguf
-from gpushare.models.model_head import LoadedModel, fit_context, gguf_info, gguf_text_side, hf_info, hf_text_side
-from gpushare.models.pooling import pooling_from_dir, pooling_from_gguf
+from gpushare.models.llama import weight_bytes
 
 _DENSE_FORMATS = ("float32", "bfloat16", "float16")
 
@@ -84,4 +85,4 @@ def load_encoder(path: str, dtype: torch.dtype, device: str, progress=None, weig
     except KeyError as e:
         raise ValueError(f"{path}: the {config.arch} encoder lacks tensor {e.args[0]}") from None
     return LoadedModel(path, config, model.eval(), tokenizer, template, stop, dtype, device, info, info["weights"],
-                       kernel="torch", pooling=pooling)  # torch's own linears, dense
+                       kernel="torch", weight_bytes=weight_bytes(model), pooling=pooling)  # torch's linears
