@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import health, metrics, ollama, ollama_models, ollama_pull, openai
+from gpushare.api import health, metrics, ollama, ollama_models, ollama_pull, openai, rerank
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
@@ -29,6 +29,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     ollama_models.add_routes(app)
     ollama_pull.add_routes(app)
     openai.add_routes(app)
+    rerank.add_routes(app)
     health.add_routes(app)
     metrics.setup(app, ctx)
     return app

@@ -22,7 +22,7 @@ from gpushare.api.errors import bad_request
 from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import context_room
-from gpushare.api.ollama import CAPABILITIES, FOREVER_S, rfc3339
+from gpushare.api.ollama import FOREVER_S, rfc3339
 from gpushare.api.tenants import check_admin, check_model, is_admin, tenant_rows, visible
 from gpushare.catalog.model_catalog import catalog_problems
 from gpushare.catalog.blob_store import StoreError, blob_path
@@ -68,7 +68,7 @@ async def show(request: web.Request) -> web.Response:
         "parameters": parameters_text(preset.options),
         "template": preset.template if preset.template is not None else desc.template or "",
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES,
+        "details": desc.details, "model_info": model_info, "capabilities": desc.capabilities,
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
         "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
     }
