@@ -84,11 +84,24 @@ def parse_host(value: str, key: str = "server.host") -> tuple[str, int]:
 
 # ---------------------------------------------------------------------------- section readers
 
+def described(value: Any, quote_strings: bool = True) -> str:
+    """A bad value as an error shows it: a list or mapping by its type and size, never its items (a
+    whole document's, API keys included, would reach the journal and STATUS=); a string by its
+    length when ``quote_strings`` is false."""
+    if isinstance(value, dict):
+        return f"a mapping of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} items"
+    if isinstance(value, str) and not quote_strings:
+        return f"a string of {len(value)} characters"
+    return f"{type(value).__name__} {value!r}"
+
+
 def expect_mapping(value: Any, key: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: must be a mapping, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: must be a mapping, got {described(value, quote_strings=False)}")
     return value
 
 

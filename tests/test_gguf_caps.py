@@ -63,7 +63,7 @@ def test_metadata_arrays_are_capped(tmp_path):
 
 @pytest.mark.parametrize("key, value, message", [
     ("context_length", 1 << 40, "context_length 1099511627776 is out of range"),
-    ("block_count", 10 ** 9, "num_layers 1000000000 is out of range"),
+    ("block_count", 10 ** 9, r"llama.block_count 1000000000 is out of range \(1 to 1024, the cap on num_layers\)"),
     ("attention.head_count_kv", 0, "num_kv_heads 0 is out of range"),
 ])
 def test_architecture_numbers_are_bounded(smollm2_path, key, value, message):

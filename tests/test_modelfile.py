@@ -14,7 +14,7 @@ PARAMETER num_ctx 4096
 PARAMETER penalize_newline false
 SYSTEM """You are a cat.
 Purr."""
-MESSAGE user "Hi \\"there\\""
+MESSAGE user "Hi "there""
 MESSAGE assistant Meow.
 TEMPLATE """{% for m in messages %}{{ m['content'] }}{% endfor %}"""
 LICENSE MIT

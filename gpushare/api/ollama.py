@@ -34,8 +34,8 @@ from gpushare.api.model_defaults import (chat_with_presets, context_room, encode
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
                                     make_sampling_params, relay)
 from gpushare.api.structured import ollama_format
-from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
-                                  visible)
+from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, own_view, tenant_rows,
+                                  tenant_share, visible)
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
 from gpushare.residency.model_catalog import catalog_problems
@@ -122,18 +122,21 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------- shared flow
 
 async def _load_or_unload(request: web.Request, model: str, keep_alive: float | None, extra: dict) -> web.Response:
+    """A generate or chat with no prompt: loads (or unloads) the model. It holds one of the tenant's
+    request slots meanwhile, as a generation would: a load is work for the node too."""
     check_model(request, model)
     check_keep_alive(request, keep_alive)
     registry = context(request).registry
-    if keep_alive == 0:
-        try:
-            await registry.unload(model)
-        except RegistrationError as e:  # a pinned model
-            raise bad_request(str(e)) from None
-        reason = "unload"
-    else:
-        await registry.load(model, keep_alive)
-        reason = "load"
+    async with admit(request, model):
+        if keep_alive == 0:
+            try:
+                await registry.unload(model)
+            except RegistrationError as e:  # a pinned model
+                raise bad_request(str(e)) from None
+            reason = "unload"
+        else:
+            await registry.load(model, keep_alive)
+            reason = "load"
     return web.json_response({"model": model, "created_at": now_rfc3339(), **extra, "done": True,
                               "done_reason": reason})
 
@@ -298,11 +301,14 @@ async def ps(request: web.Request) -> web.Response:
     ctx = context(request)
     engine_stats = ctx.engine.stats()
     stats = engine_stats.models
+    own = own_view(request)  # a tenant of a shared model sees its own requests and KV, not the others'
     models = []
     for entry in ctx.registry.loaded():
         if not visible(request, [entry.name]):
             continue
         s = stats.get(entry.name)
+        if s is not None and own is not None:
+            s = tenant_share(s, own)
         expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
         kv_bytes = s.kv_committed_bytes if s else 0
         # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
@@ -320,7 +326,8 @@ async def ps(request: web.Request) -> web.Response:
             "trained_context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
-            "queued": s.waiting if s else 0, "requests": entry.active,
+            "queued": s.waiting if s else 0,
+            "requests": entry.active if own is None else (s.running + s.waiting if s else 0),
             "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
             "tensor_parallel": entry.engine.world_size, "devices": getattr(entry.engine, "members", [entry.device]),
             "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
@@ -330,7 +337,8 @@ async def ps(request: web.Request) -> web.Response:
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
     # apart from "models", which Ollama's clients read as the loaded ones
     loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
-                "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
+                "completed": job.done_bytes, "total": job.total_bytes,
+                **({"requests": job.waiters} if own is None else {})}  # others' waiters are theirs
                for job in ctx.registry.loading() if visible(request, [job.source.name])]
     body = {"models": models, "loading": loading, "tenants": tenant_rows(request)}
     if is_admin(request):  # node-wide figures: the operator's, not every tenant's
@@ -353,12 +361,18 @@ async def load(request: web.Request) -> web.StreamResponse:
     """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
     as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
     then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
-    or "on disk"}, or {"error": ...} once streaming."""
+    or "on disk"}, or {"error": ...} once streaming. It holds one of the tenant's request slots meanwhile
+    (requests_per_s and max_concurrent count it as a generation)."""
     body = await read_json_object(request)
     model = required_string(body, "model")
     check_model(request, model)
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
+    async with admit(request, model):
+        return await _stream_load(request, model, keep_alive)
+
+
+async def _stream_load(request: web.Request, model: str, keep_alive: float | None) -> web.StreamResponse:
     registry = context(request).registry
     source = registry.find(model)
     name, was = source.name, registry.state(source)

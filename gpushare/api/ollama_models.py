@@ -57,8 +57,12 @@ async def show(request: web.Request) -> web.Response:
     model_info, tensors = desc.model_info, []
     if source.format == "gguf":
         model_info, tensors = await off_loop(_gguf_info, source.path, verbose)
+    try:
+        modelfile = format_modelfile(path, preset, source.name)
+    except ModelfileError as e:  # an Ollama-store preset our grammar cannot hold: say so, never a wrong file
+        modelfile = f"# {e}\nFROM {os.path.basename(path)}\n"
     answer = {
-        "modelfile": format_modelfile(path, preset, source.name),
+        "modelfile": modelfile,
         "parameters": parameters_text(preset.options),
         "template": preset.template if preset.template is not None else desc.template or "",
         "system": preset.system or "", "license": preset.license or "",

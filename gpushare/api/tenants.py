@@ -36,6 +36,7 @@ import math
 import time
 from collections import deque
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -44,11 +45,12 @@ from gpushare.api.errors import ApiError
 from gpushare.api.gateway import GatewayHeaders
 from gpushare.config import Settings, TenantSettings
 from gpushare.residency.registry import ModelNotFound
+from gpushare.engine.engine_stats import ModelStats, TenantModelStats
 from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
 GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
-INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/load",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
@@ -356,6 +358,19 @@ async def admit(request: web.Request, model: str):
     finally:
         ticket.settle()
         state.release()
+
+
+def own_view(request: web.Request) -> str | None:
+    """The tenant whose share of each model /api/ps shows; None: everyone's (no tenants, or an admin)."""
+    return None if is_admin(request) else tenant_of(request).name
+
+
+def tenant_share(stats: ModelStats, tenant: str) -> ModelStats:
+    """A model's stats as one of its tenants sees them: its own running, queued and KV blocks; the
+    committed KV bytes are its blocks' bytes (the slabs the model holds serve every tenant)."""
+    mine = stats.tenants.get(tenant) or TenantModelStats()
+    return replace(stats, running=mine.running, waiting=mine.waiting, blocks_used=mine.blocks_used,
+                   cached_blocks=0, kv_committed_bytes=mine.blocks_used * stats.block_bytes, tenants={})
 
 
 def tenant_rows(request: web.Request) -> list[dict]:

@@ -10,6 +10,14 @@ from gpushare.engine.tenants import TenantLedger, TenantStats
 
 
 @dataclass
+class TenantModelStats:
+    """One tenant's share of one model: what /api/ps shows a tenant of a model others use too."""
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0  # blocks charged to the tenant in this model's pool
+
+
+@dataclass
 class ModelStats:
     blocks_total: int  # blocks this model could hold with the whole device pool
     block_size: int
@@ -23,6 +31,7 @@ class ModelStats:
     cached_blocks: int = 0
     block_bytes: int = 0
     kv_committed_bytes: int = 0  # the device pool's slabs this model holds now
+    tenants: dict[str, TenantModelStats] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,7 +71,19 @@ def engine_stats(engine) -> EngineStats:
             prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
             preemptions=w.scheduler.num_preemptions, cached_blocks=len(blocks.cached),
             block_bytes=blocks.block_bytes,
-            kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)))
+            kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)),
+            tenants=_tenants_of_model(w.scheduler))
+    return out
+
+
+def _tenants_of_model(scheduler) -> dict[str, TenantModelStats]:
+    out: dict[str, TenantModelStats] = {}
+    for seq in list(scheduler.running):
+        out.setdefault(seq.tenant, TenantModelStats()).running += 1
+    for seq in list(scheduler.waiting):
+        out.setdefault(seq.tenant, TenantModelStats()).waiting += 1
+    for tenant in list(scheduler.pool.held):
+        out.setdefault(tenant, TenantModelStats()).blocks_used = scheduler.pool.tenant_blocks(tenant)
     return out
 
 

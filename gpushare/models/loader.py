@@ -2,13 +2,12 @@
 chat template, stop ids: models/model_head.py)."""
 
 import ctypes
-import glob
-import json
 import os
 
 import torch
 
 from gpushare import kernels
+from gpushare.model_files import read_json, weight_files
 from gpushare.models.config import config_from_gguf, config_from_hf
 from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
 from gpushare.models.gguf_file import read_tensors
@@ -56,14 +55,13 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     as ``read_gguf`` gives them, each converted as soon as it is read."""
     from safetensors import safe_open
 
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{path}: no config.json")
-    raw = json.load(open(cfg_file))
+    raw = read_json(path, "config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{os.path.basename(path)}: no config.json")
     config = config_from_hf(raw)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = weight_files(path)
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+        raise FileNotFoundError(f"{os.path.basename(path)}: no *.safetensors files")
     weights = resolve_weights(weights, device, set())  # safetensors folders hold dense weights
     state = {}
     total = sum(os.path.getsize(f) for f in files)
@@ -79,7 +77,7 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
-            raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+            raise ValueError(f"{os.path.basename(f)}: corrupt safetensors file ({e})") from e
         done += os.path.getsize(f)
         if progress is not None:
             progress(done, total)

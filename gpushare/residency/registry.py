@@ -29,7 +29,7 @@ from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.residency.model_create import create_model, removable_file
 from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
-from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
+from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency, without_paths
 from gpushare.model_options import ModelPreset
 from gpushare.models.weight_format import planned_weights
 
@@ -153,7 +153,8 @@ class Registry:
             try:
                 desc = await asyncio.to_thread(describe_files, source.path)
             except Exception as e:
-                raise ModelLoadError(f'cannot read model "{source.name}" ({source.path}): {e}') from e
+                log.warning("describing %s (%s) failed: %s", source.name, source.path, e)
+                raise ModelLoadError(f'cannot read model "{source.name}": {without_paths(str(e), source.path)}') from e
             self._descriptions[source.digest()] = desc
         return desc
 

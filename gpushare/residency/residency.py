@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -333,7 +334,8 @@ class Residency:
             try:
                 count = await asyncio.to_thread(count_tensors, source.path)
             except (OSError, ValueError) as e:
-                raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
+                log.warning("sizing %s (%s) failed: %s", source.name, source.path, e)
+                raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}') from e
             weights = planned_weights(self.weights_of(source), self.kind(device), set(count.source_types))
             per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
             self._sizes[key] = (per_rank_bytes, count.parameters)
@@ -373,12 +375,15 @@ class Residency:
                 return [self.start_unload(self._entry(v.name)) for v in victims]
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                busy = ", ".join(e.name for e in here if e.active) or "none"
+                # The busy models by number only: their names may be outside the asker's allow-list.
+                busy = [e.name for e in here if e.active]
+                log.info("load of %s gave up waiting for room on %s; busy: %s", source.name, device,
+                         ", ".join(busy) or "none")
                 raise RegistryFull(f'cannot load model "{source.name}": it needs {need_bytes} bytes, '
                                    f"{self.budget_bytes - self.used_bytes(device)} are free in memory.budget on "
                                    f"device {device} ({self.budget_bytes} bytes, max_loaded_models "
-                                   f"{self.max_models}) and the models holding the rest stayed busy ({busy}); "
-                                   f"retry later", 5)
+                                   f"{self.max_models}) and the {len(busy)} busy models holding the rest stayed "
+                                   f"busy; retry later", 5)
             try:
                 await asyncio.wait_for(self.room_changed(), remaining_s)
             except asyncio.TimeoutError:
@@ -397,8 +402,8 @@ class Residency:
         except WorkerDied as e:  # not the model's fault: the device's worker died meanwhile
             raise RegistryFull(f'cannot load model "{source.name}" now: {e}; retry', 5) from e
         except Exception as e:
-            log.warning("loading %s failed: %s", source.name, e)
-            raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
+            log.warning("loading %s (%s) failed: %s", source.name, source.path, e)
+            raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}') from e
         load_s = time.monotonic() - t0
         rank_bytes = -(-weight_bytes // device.world_size)
         self._sizes[key] = (rank_bytes, parameter_count)
@@ -453,6 +458,17 @@ class Residency:
         self.warm.resize(0)  # shutting down: nothing to keep warm for
         for entry in self.entries():
             await asyncio.shield(self.start_unload(entry))
+
+
+def without_paths(message: str, path: str) -> str:
+    """A load error as a tenant sees it: the model's file or folder by its name, never where the node
+    keeps it (the full message goes to the log)."""
+    real = os.path.realpath(path)
+    for p in sorted({path, real} - {"", os.sep}, key=len, reverse=True):
+        message = message.replace(p, os.path.basename(p.rstrip(os.sep)))
+    for folder in sorted({os.path.dirname(path), os.path.dirname(real)} - {"", os.sep}, key=len, reverse=True):
+        message = message.replace(folder + os.sep, "")
+    return message
 
 
 def _log_replica_failure(task: asyncio.Task) -> None:
