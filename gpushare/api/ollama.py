@@ -165,7 +165,8 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
-                              field_names=FIELD_NAMES, policies=ctx.engine.tenant_policies)
+                              field_names=FIELD_NAMES, policies=ctx.engine.tenant_policies,
+                              fair_group=ticket.fair_group)
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()

@@ -203,12 +203,13 @@ class TenantState:
 
 
 class Ticket:
-    """A request's admission: the tenant and priority the engine schedules it as (the key's tenant, or
-    one a trusted gateway named: api/gateway.py), and the tokens it was charged to the key's tenant."""
+    """A request's admission: its tenant (always the key's), the fair-share group inside it and the
+    priority a trusted gateway named (api/gateway.py), and the tokens it was charged."""
 
     def __init__(self, state: TenantState):
         self.state = state
         self.tenant = state.name
+        self.fair_group = ""  # "": the tenant's own fair share
         self.priority: str | None = None  # None: the engine tenant's own
         self.charged_tokens = 0
         self.timings = None  # gpushare.api.streaming.Timings: what the answer really used
@@ -350,9 +351,8 @@ async def admit(request: web.Request, model: str):
     await state.acquire()
     ticket = Ticket(state)
     gate = gate_of(request)
-    route = gate.gateway.route(request.headers, state.name, gate.states.keys(),
-                               context(request).settings.server.trust_gateway_headers)
-    ticket.tenant, ticket.priority = route.tenant, route.priority
+    route = gate.gateway.route(request.headers, state.name, context(request).settings.server.trust_gateway_headers)
+    ticket.fair_group, ticket.priority = route.fair_group, route.priority
     try:
         yield ticket
     finally:

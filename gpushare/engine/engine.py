@@ -439,10 +439,10 @@ class Engine:
         """Waiting prompts of tenants ahead of all running work get a step of their own. That step
         may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
         workers = list(self.workers.values())
-        waiting = {(s.tenant, s.priority) for w in workers for s in w.scheduler.waiting}
+        waiting = {(s.fair_key, s.priority) for w in workers for s in w.scheduler.waiting}
         if not waiting:  # the usual case in a busy loop: nothing to weigh
             return
-        urgent = self.ledger.urgent_tenants(waiting, {(s.tenant, s.priority) for w in workers
+        urgent = self.ledger.urgent_tenants(waiting, {(s.fair_key, s.priority) for w in workers
                                                       for s in w.scheduler.running})
         if not urgent:
             return
