@@ -154,7 +154,8 @@ class Registry:
                 desc = await asyncio.to_thread(describe_files, source.path)
             except Exception as e:
                 log.warning("describing %s (%s) failed: %s", source.name, source.path, e)
-                raise ModelLoadError(f'cannot read model "{source.name}": {without_paths(str(e), source.path)}') from e
+                raise ModelLoadError(f'cannot read model "{source.name}": {without_paths(str(e), source.path)}',
+                                     refused=isinstance(e, (ValueError, OSError))) from e
             self._descriptions[source.digest()] = desc
         return desc
 

@@ -52,7 +52,12 @@ class RegistryFull(RuntimeError):
 
 
 class ModelLoadError(RuntimeError):
-    pass
+    """A model that cannot load. ``refused``: its files were refused as data (malformed, over a cap,
+    a link out of its folder, not a regular file), a 422 naming why; else a failure of the node (500)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -335,7 +340,8 @@ class Residency:
                 count = await asyncio.to_thread(count_tensors, source.path)
             except (OSError, ValueError) as e:
                 log.warning("sizing %s (%s) failed: %s", source.name, source.path, e)
-                raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}') from e
+                raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
+                                     refused=True) from e
             weights = planned_weights(self.weights_of(source), self.kind(device), set(count.source_types))
             per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
             self._sizes[key] = (per_rank_bytes, count.parameters)
@@ -403,7 +409,8 @@ class Residency:
             raise RegistryFull(f'cannot load model "{source.name}" now: {e}; retry', 5) from e
         except Exception as e:
             log.warning("loading %s (%s) failed: %s", source.name, source.path, e)
-            raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}') from e
+            raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
+                                 refused=isinstance(e, (ValueError, OSError))) from e
         load_s = time.monotonic() - t0
         rank_bytes = -(-weight_bytes // device.world_size)
         self._sizes[key] = (rank_bytes, parameter_count)
