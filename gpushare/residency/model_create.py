@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gpushare.model_files import ModelFileError, open_regular
 from gpushare.residency.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
 from gpushare.model_options import ModelPreset
 from gpushare.modelfile import ModelfileError, format_modelfile
@@ -25,9 +26,9 @@ GGUF_MAGIC = b"GGUF"
 
 def is_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(str(path)) as f:  # a FIFO is refused, never waited on
             return f.read(4) == GGUF_MAGIC
-    except OSError:
+    except (OSError, ModelFileError):
         return False
 
 

@@ -29,7 +29,8 @@ from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.residency.model_create import create_model, removable_file
 from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
-from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency, without_paths
+from gpushare.residency.residency import (HEADER_READ_TIMEOUT_S, LoadedEntry, LoadJob, ModelLoadError, RegistryFull,
+                                          Residency, without_paths)
 from gpushare.model_options import ModelPreset
 from gpushare.models.weight_format import planned_weights
 
@@ -151,7 +152,10 @@ class Registry:
         desc = self.cached_description(source)
         if desc is None:
             try:
-                desc = await asyncio.to_thread(describe_files, source.path)
+                desc = await asyncio.wait_for(asyncio.to_thread(describe_files, source.path), HEADER_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ModelLoadError(f'cannot read model "{source.name}": its files took over '
+                                     f"{HEADER_READ_TIMEOUT_S:g}s to read", refused=True) from None
             except Exception as e:
                 log.warning("describing %s (%s) failed: %s", source.name, source.path, e)
                 raise ModelLoadError(f'cannot read model "{source.name}": {without_paths(str(e), source.path)}',

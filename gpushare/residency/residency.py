@@ -41,6 +41,9 @@ log = logging.getLogger("gpushare.registry")
 
 ROOM_WAIT_TIMEOUT_S = 300.0  # as Ollama's OLLAMA_LOAD_TIMEOUT: how long a load waits for busy models
 DEVICE_POLL_S = 1.0  # how often a load waiting for an unhealthy device looks again
+# Reading a model's header (its tensor table, its config): seconds for a file that is slow to read
+# (a stalled network mount). FIFOs and devices are refused at open (gpushare/model_files.py).
+HEADER_READ_TIMEOUT_S = 60.0
 
 
 class RegistryFull(RuntimeError):
@@ -337,7 +340,10 @@ class Residency:
         key = self.warm_key(source, device)
         if key not in self._sizes:
             try:
-                count = await asyncio.to_thread(count_tensors, source.path)
+                count = await asyncio.wait_for(asyncio.to_thread(count_tensors, source.path), HEADER_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ModelLoadError(f'failed to load model "{source.name}": its files took over '
+                                     f"{HEADER_READ_TIMEOUT_S:g}s to read", refused=True) from None
             except (OSError, ValueError) as e:
                 log.warning("sizing %s (%s) failed: %s", source.name, source.path, e)
                 raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
