@@ -8,6 +8,7 @@ So every file of a folder is resolved and must stay inside the folder's real pat
 Face cache snapshot, inside its repository's cache folder, where the snapshot's links point into
 ``blobs/``), and is opened with O_NONBLOCK, then checked with fstat to be a regular file before a
 byte is read. Errors name the file by its name in the folder, never the link's target.
+``without_paths`` turns a load error into what a tenant may read: file names, no node paths.
 Torch-free: the supervisor (residency, api) and the loaders (models) share it.
 """
 
@@ -105,3 +106,14 @@ def weight_files(folder: str, pattern: str = "*.safetensors") -> list[str]:
             raise ModelFileError(f"{name} is not a regular file (a FIFO, device or socket): refused")
         paths.append(real)
     return paths
+
+
+def without_paths(message: str, path: str) -> str:
+    """A load error as a tenant sees it: the model's file or folder by its name, never where the node
+    keeps it (the full message goes to the log)."""
+    real = os.path.realpath(path)
+    for p in sorted({path, real} - {"", os.sep}, key=len, reverse=True):
+        message = message.replace(p, os.path.basename(p.rstrip(os.sep)))
+    for folder in sorted({os.path.dirname(path), os.path.dirname(real)} - {"", os.sep}, key=len, reverse=True):
+        message = message.replace(folder + os.sep, "")
+    return message

@@ -34,8 +34,8 @@ from gpushare.api.model_defaults import (chat_with_presets, context_room, encode
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
                                     make_sampling_params, relay)
 from gpushare.api.structured import ollama_format
-from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, own_view, tenant_rows,
-                                  tenant_share, visible)
+from gpushare.api.tenant_views import own_view, tenant_rows, tenant_share
+from gpushare.api.tenants import admit, check_admin, check_keep_alive, check_model, is_admin, visible
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
 from gpushare.residency.model_catalog import catalog_problems

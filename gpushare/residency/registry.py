@@ -25,12 +25,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from gpushare.config import Settings
+from gpushare.model_files import without_paths
 from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.residency.model_create import create_model, removable_file
 from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
 from gpushare.residency.residency import (HEADER_READ_TIMEOUT_S, LoadedEntry, LoadJob, ModelLoadError, RegistryFull,
-                                          Residency, without_paths)
+                                          Residency)
 from gpushare.model_options import ModelPreset
 from gpushare.models.weight_format import planned_weights
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
+from gpushare.model_files import without_paths
 from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
 from gpushare.residency.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
@@ -471,17 +471,6 @@ class Residency:
         self.warm.resize(0)  # shutting down: nothing to keep warm for
         for entry in self.entries():
             await asyncio.shield(self.start_unload(entry))
-
-
-def without_paths(message: str, path: str) -> str:
-    """A load error as a tenant sees it: the model's file or folder by its name, never where the node
-    keeps it (the full message goes to the log)."""
-    real = os.path.realpath(path)
-    for p in sorted({path, real} - {"", os.sep}, key=len, reverse=True):
-        message = message.replace(p, os.path.basename(p.rstrip(os.sep)))
-    for folder in sorted({os.path.dirname(path), os.path.dirname(real)} - {"", os.sep}, key=len, reverse=True):
-        message = message.replace(folder + os.sep, "")
-    return message
 
 
 def _log_replica_failure(task: asyncio.Task) -> None:
