@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpushare.config import (BUNDLED_MODEL_NAME, ConfigError, load_settings, parse_duration_s, parse_host,
+from gpushare.settings.settings import (BUNDLED_MODEL_NAME, ConfigError, load_settings, parse_duration_s, parse_host,
                              parse_settings, parse_size_bytes)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -171,7 +171,7 @@ def test_config_errors_never_quote_the_document(tmp_path, document):
 
 
 def test_the_published_placeholder_keys_are_refused():
-    from gpushare.tenant_settings import PLACEHOLDER_KEYS, hash_api_key
+    from gpushare.settings.tenant_settings import PLACEHOLDER_KEYS, hash_api_key
 
     for key in PLACEHOLDER_KEYS:
         for form in (key, f"sha256:{hash_api_key(key)}"):

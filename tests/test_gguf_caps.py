@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from gpushare.models.config import config_from_gguf
-from gpushare.models.gguf_reader import GGUFError, open_gguf
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.catalog.model_config import config_from_gguf
+from gpushare.catalog.gguf_reader import GGUFError, open_gguf
+from gpushare.catalog.gguf_reader import read_gguf_file
 
 STRING, ARRAY, UINT32 = 8, 9, 4
 F32 = 0
@@ -74,7 +74,7 @@ def test_architecture_numbers_are_bounded(smollm2_path, key, value, message):
 
 
 def test_a_hf_config_with_absurd_layers_is_refused_before_sizing_anything():
-    from gpushare.models.config import config_from_hf
+    from gpushare.catalog.model_config import config_from_hf
 
     raw = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 200_000_000, "num_attention_heads": 4, "sliding_window": 16}
@@ -84,7 +84,7 @@ def test_a_hf_config_with_absurd_layers_is_refused_before_sizing_anything():
 
 
 def test_merge_recovery_caps_are_checked_before_any_split():
-    from gpushare.models.tokenizer import MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS, recovered_merges
+    from gpushare.catalog.tokenizer import MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS, recovered_merges
 
     vocab = {t: i for i, t in enumerate(["a", "b", "ab", "ba", "aba"])}
     # higher scores first, then by the pieces' ids, as SentencePiece ranks them
@@ -99,7 +99,7 @@ def test_merge_recovery_caps_are_checked_before_any_split():
 def test_model_files_stay_in_their_folder_and_are_regular(tmp_path):
     import os
 
-    from gpushare.model_files import ModelFileError, read_json, read_text, weight_files
+    from gpushare.catalog.model_files import ModelFileError, read_json, read_text, weight_files
 
     outside = tmp_path / "outside.txt"
     outside.write_text("secret")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from gpushare.api.gateway_metrics import GATEWAY_METRICS_PATH
-from gpushare.config import ConfigError, parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"

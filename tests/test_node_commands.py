@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import (XEON_GPUS, FakeGpu, FakeNvml, Recorded, ReplayRunner, h100_node_gpus, recorded,  # noqa: E402
                         sysfs_root)
 
+from gpushare.cli import node as node_cli  # noqa: E402
 from gpushare.node import commands  # noqa: E402
 from gpushare.node.commands import NodeContext  # noqa: E402
 from gpushare.node.gpu import read_gpus  # noqa: E402
@@ -25,7 +26,7 @@ CPU_MODE = "CPU mode: NVML is not available (NVML Shared Library Not Found); no 
 
 def parser():
     root = argparse.ArgumentParser(prog="gpushare")
-    commands.add_node_parser(root.add_subparsers(dest="command", required=True))
+    node_cli.add_node_parser(root.add_subparsers(dest="command", required=True))
     return root
 
 
@@ -67,6 +68,11 @@ def test_topo_on_this_machine(capsys):
     out = capsys.readouterr().out
     report = read_gpus()
     assert out.startswith("CPUs: ") and "CPU pinning:" in out
+    # the kernels' SIMD paths follow these flags, and the kept verdicts say what was measured
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    kernels = out[out.index("CPU kernels:"):].splitlines()
+    assert kernels[1].startswith("  SIMD flags: ") and ("avx2" in kernels[1].split()) == ("avx2" in flags)
+    assert kernels[2].startswith("  quantized linears: ") and kernels[3].startswith("  int8 prefill rows")
     if report.cpu_mode:  # this development machine: no NVIDIA driver
         assert f"GPUs: {report.reason}" in out and "CPU mode" in out
         assert "  engine cpu: CPUs " in out
@@ -89,7 +95,8 @@ def test_topo_dual_socket_server():
         "local CPUs 0-7,16-23",
         "    79.6 GiB (1 MiB used), compute 9.0, compute mode Default, MIG off, 0 process(es), utilisation 0%",
         "    MPS GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1: not running"]
-    assert lines[-7:] == [
+    pinning = lines.index("CPU pinning:")
+    assert lines[pinning:pinning + 7] == [
         "CPU pinning:",
         "  engine GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1: CPUs 0-3 (4 torch threads, NUMA node 0)",
         "  engine GPU-7c3cadbd-17e5-0913-f69b-c618122ea0cd: CPUs 4-7 (4 torch threads, NUMA node 0)",
@@ -272,7 +279,7 @@ def test_plan_reads_engine_devices_from_the_config(tmp_path, capsys):
 
 
 def test_plan_shows_the_tensor_parallel_groups_and_refusals():
-    from gpushare.config import ModelEntry
+    from gpushare.settings.settings import ModelEntry
 
     ctx = xeon_context()
     ctx.runner.script["nvidia-smi topo -m"] = [recorded("4gpu-mixed-pcie_nvidia-smi-topo-m.txt")]

@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from gpushare import LLM, SamplingParams
-from gpushare.config import ConfigError, parse_settings
-from gpushare.models.cpu_kernels import (known_cpu_weights, quantized_cpu_weights, quantized_kernel, verdict_file,
-                                         wide_int8_kernel)
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.settings.settings import ConfigError, parse_settings
+from gpushare.models.cpu_kernels import forget_verdicts, wide_int8_kernel
+from gpushare.catalog.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
 from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
-from gpushare.models.weight_format import planned_weights, resolve_weights
 from kernel_choice import use_cpu_kernel
 from model_files import gguf_to_hf_folder
 
@@ -69,50 +67,14 @@ def test_int4_falls_back_to_int8_with_a_logged_reason(caplog):
     assert "not a multiple of 32" in caplog.text and "odd.weight" in caplog.text
 
 
-def test_auto_picks_int4_for_4_bit_files_and_int8_for_others():
-    cpu_int8 = quantized_cpu_weights()  # int8 where faster than float32 here
-    blocks = quantized_kernel() == "blocks"
-    assert resolve_weights("auto", "cpu", {"Q4_1"}) == ("int4" if cpu_int8 == "int8" and blocks else cpu_int8)
-    assert resolve_weights("auto", "cpu", {"Q4_K", "Q6_K"}) == cpu_int8
-    assert resolve_weights("auto", "cpu", set()) == "float32"
-    assert resolve_weights("auto", "cuda", {"Q4_1", "Q4_0"}) == "int4"
-    assert resolve_weights("auto", "cuda", {"Q6_K"}) == "int8"
-    assert resolve_weights("auto", "cuda", set()) == "bfloat16"
-    with pytest.raises(ValueError, match="int3.*choose from auto, int8, int4"):
-        resolve_weights("int3", "cpu", set())
-
-
 def test_the_4_bit_test_leaves_the_embedding_and_output_out(smollm2_path):
     """The bundled file's layers are Q4_1 and its embedding Q8_0: a 4-bit file (both end up int8)."""
-    from gpushare.models.gguf_reader import open_gguf
-    from gpushare.models.model_head import matrix_types
+    from gpushare.catalog.gguf_reader import open_gguf
+    from gpushare.catalog.model_head import matrix_types
 
     _, tensors = open_gguf(smollm2_path)
     assert {t.tensor_type.name for t in tensors if t.name == "token_embd.weight"} == {"Q8_0"}
     assert matrix_types(tensors) == {"Q4_1"}
-
-
-def test_the_supervisors_plan_reads_the_kept_verdicts_and_never_measures(tmp_path, monkeypatch):
-    """planned_weights (the supervisor's estimates): this machine's kept CPU verdicts when there are
-    some, else int8 and the block kernel, and no timing run, which would leave a verdict behind."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for variable in ("GPUSHARE_CPU_WEIGHTS", "GPUSHARE_CPU_QUANTIZED_KERNEL", "GPUSHARE_KERNELS"):
-        monkeypatch.delenv(variable, raising=False)
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int4"
-    assert planned_weights("auto", "cpu", {"Q4_1", "Q8_0"}) == "int8"
-    assert known_cpu_weights() is None and not (tmp_path / "gpushare").exists()
-    assert planned_weights("auto", "cpu", set()) == "float32"
-    assert planned_weights("auto", "cuda", {"Q4_1"}) == "int4" and planned_weights("int4", "cpu", set()) == "int4"
-    (tmp_path / "gpushare").mkdir()
-    verdict_file("quantized-kernel").write_text("torch")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int8"  # torch's int4 kernel is no faster
-    kept = verdict_file("weights")
-    assert kept.parent == tmp_path / "gpushare"
-    kept.write_text("float32")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "float32"
-    monkeypatch.setenv("GPUSHARE_CPU_WEIGHTS", "int8")
-    monkeypatch.setenv("GPUSHARE_CPU_QUANTIZED_KERNEL", "blocks")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int4"
 
 
 def test_quantized_models_are_a_fraction_of_float32(smollm2_path):
@@ -156,9 +118,9 @@ def wide_int8(monkeypatch, request):
     this CPU's verdicts."""
     use_cpu_kernel("torch", monkeypatch, request)
     monkeypatch.setenv("GPUSHARE_CPU_WIDE_INT8", "bfloat16")
-    wide_int8_kernel.cache_clear()
+    forget_verdicts()
     yield
-    wide_int8_kernel.cache_clear()
+    forget_verdicts()
 
 
 @pytest.mark.usefixtures("wide_int8")
@@ -228,8 +190,8 @@ def test_quantized_stays_close_to_float32(llm, smollm2_path, weights):
         engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=8 << 20))
         engine.add_model(name, loaded)
         seq = Sequence("x", name, ids, greedy(), lambda out: None)
-        assert engine.workers[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
-        hidden, _ = engine.workers[name].runner.hidden_states([seq], [len(ids)])
+        assert engine.models[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
+        hidden, _ = engine.models[name].runner.hidden_states([seq], [len(ids)])
         argmax[name] = loaded.model.logits(hidden).argmax(dim=-1)
     agreement = (argmax[weights] == argmax["float32"]).float().mean().item()
     assert agreement >= 0.9, agreement
@@ -264,14 +226,14 @@ def test_unknown_weights_value_is_a_config_error_naming_the_key(section, smollm2
 def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smollm2_path, target, monkeypatch):
     """The Q8_0 embedding (49,152 rows) goes to int8 or int4 in slices of rows, equal to converting it whole."""
     from gpushare.models import gguf_file
-    from gpushare.models.gguf_reader import open_gguf
+    from gpushare.catalog.gguf_reader import open_gguf
 
     _, tensors = open_gguf(smollm2_path)
     embedding = next(t for t in tensors if t.name == "token_embd.weight")
     shape = [int(d) for d in reversed(embedding.shape)]
     whole = quantize("w", gguf_file._dense(embedding.data, "Q8_0", shape), target)
     monkeypatch.setattr(gguf_file, "QUANTIZE_ROWS", 5000)  # ten slices, the last one short
-    monkeypatch.setattr("gpushare.models.weight_format.target_of", lambda name, weights: target)
+    monkeypatch.setattr("gpushare.protocol.weight_format.target_of", lambda name, weights: target)
     sliced = gguf_file._convert(embedding, "w", shape, target)
     assert type(sliced) is type(whole) and torch.equal(sliced.qweight, whole.qweight)
     assert torch.equal(sliced.scales, whole.scales)
@@ -281,10 +243,16 @@ def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smol
 def test_the_wide_rows_verdict_measures_torchs_kernel_whatever_this_machine_runs(tmp_path, monkeypatch, request):
     """wide_int8_kernel times torch's int8 paths, which its Linear must hold even where the block kernel
     is this machine's choice (it packs weights otherwise, and has no plain int8 rows to time)."""
+    from gpushare.models import cpu_kernels
+    from gpushare.node.cpu_verdicts import read_verdict
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPUSHARE_CPU_WIDE_INT8", raising=False)
+    monkeypatch.setattr(cpu_kernels, "other_processes_cores", lambda: 0.0)  # measure even on a busy machine
+    monkeypatch.setattr(cpu_kernels, "layer_stack", lambda total_bytes: cpu_kernels.LAYER_SHAPES)  # one layer
     use_cpu_kernel("blocks", monkeypatch, request)
-    wide_int8_kernel.cache_clear()
-    request.addfinalizer(wide_int8_kernel.cache_clear)
-    assert wide_int8_kernel() in ("bfloat16", "int8pack")
-    assert verdict_file("wide-int8").read_text() == wide_int8_kernel()
+    totals, _ = cpu_kernels._measure_wide()
+    assert set(totals) == {"bfloat16", "int8pack"} and min(totals.values()) > 0
+    monkeypatch.setattr(cpu_kernels, "_measure_wide", lambda: (totals, 0.0))
+    assert wide_int8_kernel() == cpu_kernels.choose(totals, "bfloat16")
+    assert read_verdict("wide-int8").choice == wide_int8_kernel()

@@ -23,8 +23,8 @@ from crafted_gguf import crafted_gguf
 from daemon_fixture import MODEL, http, serving
 from ollama_store_fixture import MEDIA, add_blob, add_model
 
-from gpushare.modelfile import parse_modelfile
-from gpushare.models.tokenizer import MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS
+from gpushare.catalog.modelfile import parse_modelfile
+from gpushare.catalog.tokenizer import MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS
 
 SECRET = "TOP-SECRET-CONTENT-5d1f"
 GREEDY = {"model": MODEL, "prompt": "The capital of France is", "stream": False, "raw": True,

@@ -13,7 +13,7 @@ import socket
 import psutil
 import pytest
 
-from gpushare.engine.worker_messages import GroupSpec
+from gpushare.protocol.messages import GroupSpec
 
 WORLD_SIZE = 2
 TIMEOUT_S = 60

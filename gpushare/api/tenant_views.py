@@ -13,8 +13,8 @@ from aiohttp import web
 
 from gpushare.api.context import context
 from gpushare.api.tenants import gate_of, is_admin, tenant_of
-from gpushare.engine.engine_stats import ModelStats, TenantModelStats
-from gpushare.engine.tenants import TenantStats
+from gpushare.protocol.engine_stats import ModelStats, TenantModelStats
+from gpushare.protocol.tenant_policy import TenantStats
 
 
 def own_view(request: web.Request) -> str | None:
@@ -33,7 +33,7 @@ def tenant_share(stats: ModelStats, tenant: str) -> ModelStats:
 def tenant_rows(request: web.Request) -> list[dict]:
     """/api/ps rows: the asking tenant's own, every tenant's for an admin."""
     gate, me = gate_of(request), tenant_of(request)
-    stats = context(request).engine.tenant_stats()
+    stats = context(request).node.tenant_stats()
     states = list(gate.states.values()) if me.settings.admin else [me]
     rows = []
     for state in states:

@@ -1,0 +1,164 @@
+"""Tokenizer built with the `tokenizers` library from GGUF metadata or a `tokenizer.json`."""
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+
+from gpushare.catalog.model_files import MAX_JSON_BYTES, read_bytes, read_json
+
+# Merge recovery's caps (recovered_merges): SentencePiece trains pieces of at most 16 characters by default
+# (its own ceiling is 512); Gemma's 256k vocabulary has about 2M splits.
+MAX_PIECE_CHARS = 512
+MAX_RECOVERY_SPLITS = 1 << 22
+# GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split regexes for llama.cpp's `tokenizer.ggml.pre` names whose merges were learned on them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
+
+
+@dataclass
+class Tokenizer:
+    hf: HFTokenizer
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    special_ids: set = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token is not None:
+            ids = [self.hf.token_to_id(self.bos_token)] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    if pre in _SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    elif pre == "smollm":
+        # SmolLM's own tokenizer.json: every digit alone, then GPT-2's byte-level split.
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[str] | None, add_space_prefix: bool):
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else recovered_merges(vocab, scores)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token="<unk>" if "<unk>" in vocab else None,
+                                 fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
+    )
+    return tok
+
+
+def recovered_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges of a vocabulary that lists none: every split of a token into two known pieces, ranked by
+    the token's score (higher merges first), as SentencePiece does. A token of n characters has n - 1
+    splits and each copies it, so the caps (MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS) are checked over the
+    whole vocabulary before any split is made: a crafted file of long tokens would make this cubic."""
+    longest = max(map(len, vocab), default=0)
+    if longest > MAX_PIECE_CHARS:
+        raise ValueError(f"a token of {longest} characters in a vocabulary without merges: recovering merges "
+                         f"takes tokens of at most {MAX_PIECE_CHARS} characters (MAX_PIECE_CHARS)")
+    splits = sum(len(token) - 1 for token in vocab if token)
+    if splits > MAX_RECOVERY_SPLITS:
+        raise ValueError(f"a vocabulary without merges whose tokens have {splits} splits: recovering merges "
+                         f"takes at most {MAX_RECOVERY_SPLITS} (MAX_RECOVERY_SPLITS)")
+    score, left_ids, right_ids = [], [], []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = vocab.get(token[:cut]), vocab.get(token[cut:])
+            if left is not None and right is not None:
+                score.append(-scores[i])
+                left_ids.append(left)
+                right_ids.append(right)
+    # arrays, not tuples of strings: a few bytes a merge while they are ranked
+    order = np.lexsort((np.array(right_ids, np.int64), np.array(left_ids, np.int64), np.array(score, np.float64)))
+    text = {i: token for token, i in vocab.items()}
+    return [(text[left_ids[k]], text[right_ids[k]]) for k in order.tolist()]
+
+
+def tokenizer_from_gguf(meta: dict) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [])
+    if kind == "gpt2":
+        hf = _byte_level_bpe(tokens, list(meta["tokenizer.ggml.merges"]), meta.get("tokenizer.ggml.pre", "default"))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    elif kind == "llama":
+        hf = _sentencepiece_bpe(tokens, list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)),
+                                meta.get("tokenizer.ggml.merges"), bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer type {kind!r} (supported: gpt2, llama)")
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _CONTROL])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+    def token(key):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
+
+    special = {i for i, ty in enumerate(types) if ty == _CONTROL}
+    return Tokenizer(hf, bos_token=token("bos_token_id"), eos_token=token("eos_token_id"), add_bos=add_bos,
+                     special_ids=special)
+
+
+def _token_text(value):
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def tokenizer_from_dir(path: str) -> tuple[Tokenizer, dict]:
+    """Load ``tokenizer.json``; returns the tokenizer and ``tokenizer_config.json`` (may be empty)."""
+    text = read_bytes(path, "tokenizer.json", MAX_JSON_BYTES)
+    if text is None:
+        raise FileNotFoundError(f"{os.path.basename(path)}: no tokenizer.json")
+    hf = HFTokenizer.from_str(text.decode("utf-8"))
+    cfg = read_json(path, "tokenizer_config.json", {})
+    special = {tok.id for tok in _added_tokens(hf) if tok.special}
+    return Tokenizer(hf, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")),
+                     add_bos=bool(cfg.get("add_bos_token", False)), special_ids=special), cfg
+
+
+def _added_tokens(hf: HFTokenizer):
+    decoder = hf.get_added_tokens_decoder()
+    for i, tok in decoder.items():
+        tok.id = i
+        yield tok
