@@ -148,3 +148,49 @@ def test_tenant_names_and_keys_are_unique_and_reservations_fit_the_kv_budget():
             {"name": "b", "api_keys": ["k2"], "kv_reserved": "512MiB"}]}, env={})
     with pytest.raises(ConfigError, match="prefix_cache.scope: must be one of tenant, global, off"):
         parse_settings({"prefix_cache": {"scope": "everyone"}}, env={})
+
+
+SECRET_KEY = "sk-live-4f9a1c2e8b7d6a5f"
+
+
+@pytest.mark.parametrize("document", [
+    f"- name: chat\n  api_keys: [{SECRET_KEY}]\n",  # a top-level list: once echoed whole
+    f"{SECRET_KEY}\n",  # a bare string
+    f"server: [{SECRET_KEY}]\n",
+    f"models: {{name: x, key: {SECRET_KEY}}}\n",
+    f"engine:\n  devices: {{a: {SECRET_KEY}}}\n",
+    f"tenants:\n  - name: a\n    api_keys: [*{SECRET_KEY}]\n",  # an alias the parser quotes
+    f"tenants:\n  - name: a\n    api_keys: [{SECRET_KEY}]\n  - {SECRET_KEY}\n",
+])
+def test_config_errors_never_quote_the_document(tmp_path, document):
+    path = tmp_path / "gpushare.yaml"
+    path.write_text(document)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert SECRET_KEY not in str(info.value) and "sk-live" not in str(info.value)
+
+
+def test_the_published_placeholder_keys_are_refused():
+    from gpushare.settings.tenant_settings import PLACEHOLDER_KEYS, hash_api_key
+
+    for key in PLACEHOLDER_KEYS:
+        for form in (key, f"sha256:{hash_api_key(key)}"):
+            with pytest.raises(ConfigError, match=r"tenants\[0\].api_keys\[0\]: this is a published placeholder key") \
+                    as info:
+                parse_settings({"tenants": [{"name": "t", "api_keys": [form]}]}, env={})
+            assert key not in str(info.value)
+
+
+def test_the_daemon_refuses_to_start_with_a_placeholder_key(tmp_path):
+    """`gpushare serve` exits at once with the config error on stderr (no model is loaded first)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "gpushare.yaml"
+    config.write_text("server: {host: 127.0.0.1:1}\nmodels: []\n"
+                      "tenants:\n  - name: ops\n    api_keys: [gpushare-ops-change-me]\n    admin: true\n")
+    done = subprocess.run([str(Path(sys.executable).parent / "gpushare"), "serve", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "tenants[0].api_keys[0]: this is a published placeholder key" in done.stdout + done.stderr

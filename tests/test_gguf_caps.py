@@ -63,7 +63,7 @@ def test_metadata_arrays_are_capped(tmp_path):
 
 @pytest.mark.parametrize("key, value, message", [
     ("context_length", 1 << 40, "context_length 1099511627776 is out of range"),
-    ("block_count", 10 ** 9, "num_layers 1000000000 is out of range"),
+    ("block_count", 10 ** 9, r"llama.block_count 1000000000 is out of range \(1 to 1024, the cap on num_layers\)"),
     ("attention.head_count_kv", 0, "num_kv_heads 0 is out of range"),
 ])
 def test_architecture_numbers_are_bounded(smollm2_path, key, value, message):
@@ -71,3 +71,53 @@ def test_architecture_numbers_are_bounded(smollm2_path, key, value, message):
     assert config_from_gguf(meta).context_length == 8192
     with pytest.raises(ValueError, match=message):
         config_from_gguf({**meta, f"llama.{key}": value})
+
+
+def test_a_hf_config_with_absurd_layers_is_refused_before_sizing_anything():
+    from gpushare.catalog.model_config import config_from_hf
+
+    raw = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 200_000_000, "num_attention_heads": 4, "sliding_window": 16}
+    with pytest.raises(ValueError, match=r"num_hidden_layers 200000000 is out of range \(1 to 1024, the cap on "
+                                         r"num_layers\)"):
+        config_from_hf(raw)
+
+
+def test_merge_recovery_caps_are_checked_before_any_split():
+    from gpushare.catalog.tokenizer import MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS, recovered_merges
+
+    vocab = {t: i for i, t in enumerate(["a", "b", "ab", "ba", "aba"])}
+    # higher scores first, then by the pieces' ids, as SentencePiece ranks them
+    assert recovered_merges(vocab, [0.0, 0.0, -1.0, -2.0, -0.5]) == [("a", "ba"), ("ab", "a"), ("a", "b"), ("b", "a")]
+    with pytest.raises(ValueError, match=f"a token of {MAX_PIECE_CHARS + 1} characters"):
+        recovered_merges({"a" * (MAX_PIECE_CHARS + 1): 0}, [0.0])
+    many = {f"{i:07d}" + "x" * 493: i for i in range(MAX_RECOVERY_SPLITS // 499 + 1)}
+    with pytest.raises(ValueError, match=f"at most {MAX_RECOVERY_SPLITS} \\(MAX_RECOVERY_SPLITS\\)"):
+        recovered_merges(many, [0.0] * len(many))
+
+
+def test_model_files_stay_in_their_folder_and_are_regular(tmp_path):
+    import os
+
+    from gpushare.catalog.model_files import ModelFileError, read_json, read_text, weight_files
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "chat_template.jinja").symlink_to(outside)
+    with pytest.raises(ModelFileError, match="chat_template.jinja is a symbolic link that leaves") as info:
+        read_text(str(folder), "chat_template.jinja")
+    assert str(outside) not in str(info.value)
+    os.mkfifo(folder / "model.safetensors")
+    with pytest.raises(ModelFileError, match="model.safetensors is not a regular file"):
+        weight_files(str(folder))
+    assert read_json(str(folder), "absent.json", {}) == {}
+    # a Hugging Face cache snapshot links into its repository's blobs/: allowed
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text('{"model_type": "llama"}')
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to("../../blobs/abc123")
+    assert read_json(str(snapshot), "config.json") == {"model_type": "llama"}

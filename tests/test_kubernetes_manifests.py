@@ -2,14 +2,19 @@
 kinds validated strictly against the Kubernetes 1.33 schemas (kubernetes-validate, offline), the
 Inference Extension kinds against their v1/v1alpha2 fields, and the wiring between them: the pool
 selects the DaemonSet's pods on its container port, the probes ask /ready and /health, the grace
-period outlasts the drain, the ConfigMap passes gpushare's own config loader, the Secret's keys are
-the digests the config lists, and the Containerfile builds what the DaemonSet runs."""
+period outlasts the drain, the ConfigMap passes gpushare's own config loader once the init step has
+written the Secret's keys' digests into it (and accepts no key before), the shipped placeholder keys
+are refused, and the Containerfile builds what the DaemonSet runs."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import re
+import secrets
+import subprocess
+import tempfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -17,7 +22,7 @@ import pytest
 import yaml
 
 from gpushare.api.gateway_metrics import GATEWAY_METRICS_PATH
-from gpushare.settings.settings import parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -47,8 +52,33 @@ def daemon_container() -> dict:
     return one("DaemonSet", "gpushare")["spec"]["template"]["spec"]["containers"][0]
 
 
-def gpushare_config():
-    return parse_settings(yaml.safe_load(one("ConfigMap", "gpushare-config")["data"]["gpushare.yaml"]), env={})
+def init_step() -> dict:
+    (container,) = one("DaemonSet", "gpushare")["spec"]["template"]["spec"]["initContainers"]
+    return container
+
+
+def rendered_config(keys: dict[str, str]) -> str:
+    """The config the DaemonSet's init step writes from the ConfigMap and a Secret holding `keys`: its
+    own shell script, run here with its paths in a temp folder."""
+    step = init_step()
+    with tempfile.TemporaryDirectory() as tmp:
+        template, keys_dir, config = Path(tmp, "gpushare.yaml.in"), Path(tmp, "keys"), Path(tmp, "gpushare.yaml")
+        template.write_text(one("ConfigMap", "gpushare-config")["data"]["gpushare.yaml"])
+        keys_dir.mkdir()
+        for tenant, key in keys.items():
+            (keys_dir / tenant).write_text(key)
+        env = {**os.environ, "TEMPLATE_FILE": str(template), "KEYS_DIR": str(keys_dir), "CONFIG_FILE": str(config)}
+        done = subprocess.run([*step["command"], *step["args"]], env=env, capture_output=True, text=True, timeout=30)
+        if done.returncode:
+            raise RuntimeError(done.stderr)
+        return config.read_text()
+
+
+TENANT_KEYS = {"chat": secrets.token_hex(24), "batch": secrets.token_hex(24), "ops": secrets.token_hex(24)}
+
+
+def gpushare_config(keys: dict[str, str] = TENANT_KEYS):
+    return parse_settings(yaml.safe_load(rendered_config(keys)), env={})
 
 
 def test_the_kustomization_lists_every_manifest_file():
@@ -177,15 +207,40 @@ def test_the_configmap_passes_gpushares_own_config_loader():
     config_path = daemon_container()["args"][daemon_container()["args"].index("--config") + 1]
     assert Path(config_path).parent == Path(config_mount["mountPath"])
     assert Path(config_path).name in one("ConfigMap", "gpushare-config")["data"]
+    assert dict((e["name"], e["value"]) for e in init_step()["env"])["CONFIG_FILE"] == config_path
 
 
-def test_the_secret_holds_the_keys_whose_digests_the_config_lists():
+def test_the_init_step_writes_the_digests_of_the_secrets_keys():
     keys = one("Secret", "gpushare-tenant-keys")["stringData"]
     digests = {t.name: t.api_key_sha256 for t in gpushare_config().tenants}
-    assert set(keys) == set(digests)
-    for tenant, key in keys.items():
-        assert hashlib.sha256(key.encode()).hexdigest() in digests[tenant]
+    assert set(keys) == set(digests) == set(TENANT_KEYS)  # one Secret entry per tenant of the ConfigMap
+    for tenant, key in TENANT_KEYS.items():
+        assert digests[tenant] == [hashlib.sha256(key.encode()).hexdigest()]
     assert any(t.admin for t in gpushare_config().tenants)  # someone may read /metrics
+    with pytest.raises(RuntimeError, match="has no key for:\nops"):  # a tenant the Secret forgot: no start
+        rendered_config({"chat": "k1" * 12, "batch": "k2" * 12})
+
+
+def test_the_shipped_config_accepts_no_published_key():
+    """As it ships, the ConfigMap holds placeholders gpushare refuses to start with, and the Secret's
+    placeholder keys, once written in, are refused too (they are printed in this repository)."""
+    template = yaml.safe_load(one("ConfigMap", "gpushare-config")["data"]["gpushare.yaml"])
+    with pytest.raises(ConfigError, match=r"tenants\[0\].api_keys\[0\]: sha256: must be followed by 64 hex"):
+        parse_settings(template, env={})
+    with pytest.raises(ConfigError, match="published placeholder key") as info:
+        gpushare_config(one("Secret", "gpushare-tenant-keys")["stringData"])
+    assert "change-me" not in str(info.value)  # the message names no key
+
+
+def test_only_the_init_step_sees_the_secret():
+    pod = one("DaemonSet", "gpushare")["spec"]["template"]["spec"]
+    secret_volumes = {v["name"] for v in pod["volumes"] if "secret" in v}
+    assert secret_volumes == {"tenant-keys"}
+    assert {m["name"] for m in daemon_container()["volumeMounts"]}.isdisjoint(secret_volumes)
+    written = next(m for m in init_step()["volumeMounts"] if m["name"] == "config")
+    read = next(m for m in daemon_container()["volumeMounts"] if m["name"] == "config")
+    assert written["mountPath"] == read["mountPath"] and read["readOnly"] and not written.get("readOnly")
+    assert next(v for v in pod["volumes"] if v["name"] == "config")["emptyDir"]["medium"] == "Memory"
 
 
 def test_the_containerfile_builds_what_the_daemonset_runs():

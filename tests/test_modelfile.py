@@ -14,7 +14,7 @@ PARAMETER num_ctx 4096
 PARAMETER penalize_newline false
 SYSTEM """You are a cat.
 Purr."""
-MESSAGE user "Hi \\"there\\""
+MESSAGE user "Hi "there""
 MESSAGE assistant Meow.
 TEMPLATE """{% for m in messages %}{{ m['content'] }}{% endfor %}"""
 LICENSE MIT
@@ -60,3 +60,40 @@ def test_errors_name_the_line(text, message):
     with pytest.raises(ModelfileError) as info:
         parse_modelfile(text, "Modelfile")
     assert str(info.value).startswith(message)
+
+
+TRICKY = ['plain', ' padded ', '"starts quoted', 'ends quoted"', '"both"', 'say """hi""" there', 'a"""b',
+          'line one\nline two', 'one"\nFROM /etc/passwd\nSYSTEM "two', '#hash', '',
+          "tabs\tand\r\nreturns", '"""']
+
+
+@pytest.mark.parametrize("value", TRICKY)
+def test_every_value_a_modelfile_can_hold_round_trips_and_keeps_from(value):
+    preset = ModelPreset(system=value, license=value)
+    if value:  # PARAMETER and MESSAGE need one
+        preset.options, preset.messages = {"stop": [value]}, [{"role": "user", "content": value}]
+    parsed = parse_modelfile(format_modelfile("/models/base.gguf", preset))
+    assert parsed.base == "/models/base.gguf" and parsed.preset == preset
+
+
+@pytest.mark.parametrize("value", ['x"""\nFROM /etc/passwd', 'x"\nFROM /etc/passwd\n"""y"""\nz"', 'tail """\nquoted',
+                                   'x"""   \ny"'])
+def test_a_value_no_quoting_can_hold_is_refused_not_written(value):
+    with pytest.raises(ModelfileError, match="cannot be written in a Modelfile"):
+        format_modelfile("/models/base.gguf", ModelPreset(system=value))
+
+
+@pytest.mark.parametrize("text, system", [
+    ('FROM x\nSYSTEM """a"""b"""\n', 'a"""b'),  # ends at the first line end where the quote is whole
+    ('FROM x\nSYSTEM "one\ntwo"\n', "one\ntwo"),  # double quotes span lines too
+    ('FROM x\nSYSTEM "a \\"b\\""\n', 'a \\"b\\"'),  # and have no escapes
+    ("FROM x\nSYSTEM   spaced out   \n", "spaced out"),
+])
+def test_arguments_read_as_ollamas_parser_reads_them(text, system):
+    assert parse_modelfile(text).preset.system == system
+
+
+def test_a_base_path_with_a_newline_cannot_add_instructions():
+    text = format_modelfile("/models/odd\nSYSTEM evil.gguf", ModelPreset(system="s"))
+    parsed = parse_modelfile(text)
+    assert parsed.base == "/models/odd\nSYSTEM evil.gguf" and parsed.preset.system == "s"

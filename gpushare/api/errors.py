@@ -44,6 +44,8 @@ def from_registry_error(e: Exception) -> ApiError:
     if isinstance(e, RegistryFull):
         return ApiError(503, str(e), retry_after_s=e.retry_after_s)
     if isinstance(e, ModelLoadError):
+        if e.refused:  # the model's files were refused as data: nothing the node can retry
+            return ApiError(422, str(e), param="model", code="model_file_refused")
         return ApiError(500, str(e), code="model_load_failed")
     raise TypeError(f"not a registry error: {e!r}")
 

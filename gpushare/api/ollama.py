@@ -115,18 +115,21 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------- shared flow
 
 async def _load_or_unload(request: web.Request, model: str, keep_alive: float | None, extra: dict) -> web.Response:
+    """A generate or chat with no prompt: loads (or unloads) the model. It holds one of the tenant's
+    request slots meanwhile, as a generation would: a load is work for the node too."""
     check_model(request, model)
     check_keep_alive(request, keep_alive)
     registry = context(request).registry
-    if keep_alive == 0:
-        try:
-            await registry.unload(model)
-        except RegistrationError as e:  # a pinned model
-            raise bad_request(str(e)) from None
-        reason = "unload"
-    else:
-        await registry.load(model, keep_alive)
-        reason = "load"
+    async with admit(request, model):
+        if keep_alive == 0:
+            try:
+                await registry.unload(model)
+            except RegistrationError as e:  # a pinned model
+                raise bad_request(str(e)) from None
+            reason = "unload"
+        else:
+            await registry.load(model, keep_alive)
+            reason = "load"
     return web.json_response({"model": model, "created_at": now_rfc3339(), **extra, "done": True,
                               "done_reason": reason})
 
@@ -156,7 +159,8 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
-                              field_names=FIELD_NAMES, policies=ctx.node.tenant_policies)
+                              field_names=FIELD_NAMES, policies=ctx.node.tenant_policies,
+                              fair_group=ticket.fair_group)
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
@@ -274,12 +278,18 @@ async def load(request: web.Request) -> web.StreamResponse:
     """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
     as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
     then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
-    or "on disk"}, or {"error": ...} once streaming."""
+    or "on disk"}, or {"error": ...} once streaming. It holds one of the tenant's request slots meanwhile
+    (requests_per_s and max_concurrent count it as a generation)."""
     body = await read_json_object(request)
     model = required_string(body, "model")
     check_model(request, model)
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
+    async with admit(request, model):
+        return await _stream_load(request, model, keep_alive)
+
+
+async def _stream_load(request: web.Request, model: str, keep_alive: float | None) -> web.StreamResponse:
     registry = context(request).registry
     source = registry.find(model)
     name, was = source.name, registry.state(source)

@@ -23,7 +23,8 @@ from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import context_room
 from gpushare.api.ollama import FOREVER_S, rfc3339
-from gpushare.api.tenants import check_admin, check_model, is_admin, tenant_rows, visible
+from gpushare.api.tenant_views import own_view, tenant_rows, tenant_share
+from gpushare.api.tenants import check_admin, check_model, is_admin, visible
 from gpushare.catalog.model_catalog import catalog_problems
 from gpushare.catalog.blob_store import StoreError, blob_path
 from gpushare.residency.registry import RegistrationError
@@ -63,8 +64,12 @@ async def show(request: web.Request) -> web.Response:
     model_info, tensors = desc.model_info, []
     if source.format == "gguf":
         model_info, tensors = await off_loop(_gguf_info, source.path, verbose)
+    try:
+        modelfile = format_modelfile(path, preset, source.name)
+    except ModelfileError as e:  # an Ollama-store preset our grammar cannot hold: say so, never a wrong file
+        modelfile = f"# {e}\nFROM {os.path.basename(path)}\n"
     answer = {
-        "modelfile": format_modelfile(path, preset, source.name),
+        "modelfile": modelfile,
         "parameters": parameters_text(preset.options),
         "template": preset.template if preset.template is not None else desc.template or "",
         "system": preset.system or "", "license": preset.license or "",
@@ -177,11 +182,14 @@ async def ps(request: web.Request) -> web.Response:
     ctx = context(request)
     engine_stats = ctx.node.stats()
     stats = engine_stats.models
+    own = own_view(request)  # a tenant of a shared model sees its own requests and KV, not the others'
     models = []
     for entry in ctx.registry.loaded():
         if not visible(request, [entry.name]):
             continue
         s = stats.get(entry.name)
+        if s is not None and own is not None:
+            s = tenant_share(s, own)
         expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
         kv_bytes = s.kv_committed_bytes if s else 0
         # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
@@ -199,7 +207,8 @@ async def ps(request: web.Request) -> web.Response:
             "trained_context_length": entry.model.config.context_length,
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
-            "queued": s.waiting if s else 0, "requests": entry.active,
+            "queued": s.waiting if s else 0,
+            "requests": entry.active if own is None else (s.running + s.waiting if s else 0),
             "keep_alive": entry.keep_alive_s, "device": entry.device_name, "worker_pid": entry.device.pid,
             "tensor_parallel": entry.device.world_size, "devices": getattr(entry.device, "members", [entry.device_name]),
             "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
@@ -209,7 +218,8 @@ async def ps(request: web.Request) -> web.Response:
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
     # apart from "models", which Ollama's clients read as the loaded ones
     loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
-                "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
+                "completed": job.done_bytes, "total": job.total_bytes,
+                **({"requests": job.waiters} if own is None else {})}  # others' waiters are theirs
                for job in ctx.registry.loading() if visible(request, [job.source.name])]
     body = {"models": models, "loading": loading, "tenants": tenant_rows(request)}
     if is_admin(request):  # node-wide figures: the operator's, not every tenant's

@@ -30,6 +30,7 @@ from gpushare.api.structured import openai_response_format
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 new_call_id, parse_calls, parse_tools)
 from gpushare.api.tenants import admit, check_model, visible
+from gpushare.residency.registry import ModelLoadError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINGERPRINT = "gpushare"
@@ -144,7 +145,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
                               preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit,
-                              policies=ctx.node.tenant_policies)
+                              policies=ctx.node.tenant_policies, fair_group=ticket.fair_group)
         ticket.charge_tokens(len(prompt_ids) + n * gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + n * gen.params.max_tokens)
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -253,10 +254,19 @@ async def _model_object(registry, source) -> dict:
             "max_model_len": desc.context_length}
 
 
+async def _listed_model(registry, source) -> dict:
+    """A listing's entry: one model whose files cannot be read is listed without ``max_model_len`` (the
+    log says why), so that it cannot fail the listing of every other model for everyone."""
+    try:
+        return await _model_object(registry, source)
+    except ModelLoadError:
+        return {"id": source.name, "object": "model", "created": int(source.modified_at()), "owned_by": "gpushare"}
+
+
 async def list_models(request: web.Request) -> web.Response:
     registry = context(request).registry
     sources = registry.sources()
-    data = [await _model_object(registry, sources[name]) for name in sorted(visible(request, sources))]
+    data = [await _listed_model(registry, sources[name]) for name in sorted(visible(request, sources))]
     return web.json_response({"object": "list", "data": data})
 
 

@@ -128,12 +128,12 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
     config = lease.model.config
     limits = model_limits(config.context_length, config.vocab_size, model_stats, stats.max_num_seqs)
-    return limits, tenant_limit_bytes(engine.tenant_policies if policies is None else policies, tenant, limits)
+    return limits, tenant_limit_bytes(device.tenant_policies if policies is None else policies, tenant, limits)
 
 
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
                     num_ctx: int | None = None, clip: bool = False, field_names: dict[str, str] | None = None,
-                    policies: dict | None = None) -> GenerationRequest:
+                    policies: dict | None = None, fair_group: str = "") -> GenerationRequest:
     """The one GenerationRequest for this request, its max_tokens fixed by protocol/request.check_request
     (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
     the dialect) when it can never run."""
@@ -144,7 +144,7 @@ def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant
     except RequestError as e:
         raise bad_request(str(e), param=(field_names or {}).get(e.field, e.field)) from None
     return GenerationRequest(lease.entry.name, prompt_ids, replace(params, max_tokens=fixed.max_tokens), tenant,
-                             priority)
+                             priority, fair_group=fair_group)
 
 
 def make_sampling_params(field_names: dict[str, str] | None = None, **kwargs) -> SamplingParams:

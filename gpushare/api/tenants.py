@@ -44,11 +44,11 @@ from gpushare.api.errors import ApiError
 from gpushare.api.gateway import GatewayHeaders
 from gpushare.settings.settings import Settings, TenantSettings
 from gpushare.residency.registry import ModelNotFound
-from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
+from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
 GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
-INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/load",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank",
                              "/v1/score"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
@@ -202,12 +202,13 @@ class TenantState:
 
 
 class Ticket:
-    """A request's admission: the tenant and priority the engine schedules it as (the key's tenant, or
-    one a trusted gateway named: api/gateway.py), and the tokens it was charged to the key's tenant."""
+    """A request's admission: its tenant (always the key's), the fair-share group inside it and the
+    priority a trusted gateway named (api/gateway.py), and the tokens it was charged."""
 
     def __init__(self, state: TenantState):
         self.state = state
         self.tenant = state.name
+        self.fair_group = ""  # "": the tenant's own fair share
         self.priority: str | None = None  # None: the engine tenant's own
         self.charged_tokens = 0
         self.timings = None  # gpushare.api.streaming.Timings: what the answer really used
@@ -349,36 +350,13 @@ async def admit(request: web.Request, model: str):
     await state.acquire()
     ticket = Ticket(state)
     gate = gate_of(request)
-    route = gate.gateway.route(request.headers, state.name, gate.states.keys(),
-                               context(request).settings.server.trust_gateway_headers)
-    ticket.tenant, ticket.priority = route.tenant, route.priority
+    route = gate.gateway.route(request.headers, state.name, context(request).settings.server.trust_gateway_headers)
+    ticket.fair_group, ticket.priority = route.fair_group, route.priority
     try:
         yield ticket
     finally:
         ticket.settle()
         state.release()
-
-
-def tenant_rows(request: web.Request) -> list[dict]:
-    """/api/ps rows: the asking tenant's own, every tenant's for an admin."""
-    gate, me = gate_of(request), tenant_of(request)
-    stats = context(request).node.tenant_stats()
-    states = list(gate.states.values()) if me.settings.admin else [me]
-    rows = []
-    for state in states:
-        s = stats.get(state.name) or TenantStats()
-        rows.append({
-            "name": state.name, "kv_used_bytes": s.kv_used_bytes, "kv_reserved_bytes": s.kv_reserved_bytes,
-            "kv_limit_bytes": s.kv_limit_bytes,
-            "running": s.running,  # sequences in the engine's batches
-            "queued": s.waiting + len(state.waiters),  # waiting in the engine, or in this tenant's queue here
-            "requests": state.running + len(state.waiters),  # admitted by this layer, or queued in it
-            "computed_tokens": s.computed_tokens, "generated_tokens": s.generated_tokens,
-            "prefix_hit_tokens": s.prefix_hit_tokens, "priority": state.settings.priority,
-            "weight": state.settings.weight, "max_concurrent": state.settings.max_concurrent,
-            "max_queued": state.max_queued if state.settings.max_concurrent is not None else None,
-        })
-    return rows
 
 
 def tenant_policies(settings: Settings) -> list[TenantPolicy]:

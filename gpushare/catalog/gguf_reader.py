@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from gpushare.catalog.model_files import open_regular
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # GGUF value types -> struct format of one scalar
@@ -96,15 +98,16 @@ class GGUFError(ValueError):
 
 def open_gguf(path: str) -> tuple[dict, list["TensorInfo"]]:
     """(metadata, tensors) of ``path``, turning any parse failure into a GGUFError naming the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file not found: {path}")
-    with open(path, "rb") as f:
+    name = os.path.basename(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model file not found: {name}")
+    with open_regular(path, name) as f:  # a FIFO or device is refused, never waited on
         if f.read(4) != MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (bad magic)")
+            raise GGUFError(f"{name}: not a GGUF file (bad magic)")
     try:
         return read_gguf_file(path)
     except Exception as e:  # truncation shows up as struct, index or value errors
-        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+        raise GGUFError(f"{name}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
 def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[dict, list[TensorInfo]]:

@@ -99,6 +99,16 @@ class ModelConfig:
         return max(self.layer_windows) if all(self.layer_windows) else None
 
 
+def bounded(name: str, value: int, key: str) -> int:
+    """``value`` when within LIMITS[name]; else a ValueError naming the file's key and the cap. Counts that
+    size a list (layers' windows) are checked here, before that list is built: a crafted 2e8 layers
+    would take gigabytes before ModelConfig's own check."""
+    limit = LIMITS[name]
+    if not 1 <= value <= limit:
+        raise ValueError(f"{key} {value} is out of range (1 to {limit}, the cap on {name})")
+    return value
+
+
 def rope_type(scaling: dict) -> str:
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     return "longrope" if kind == "su" else kind  # early Phi-3 128k configs called LongRoPE "su"
@@ -127,9 +137,9 @@ def config_from_gguf(meta: dict) -> ModelConfig:
             raise ValueError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
-    num_heads = int(key("attention.head_count"))
+    num_heads = bounded("num_heads", int(key("attention.head_count")), f"{arch}.attention.head_count")
     hidden = int(key("embedding_length"))
-    num_layers = int(key("block_count"))
+    num_layers = bounded("num_layers", int(key("block_count")), f"{arch}.block_count")
     head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                    or hidden // num_heads)
     _refuse_gguf_features(meta, arch, head_dim)
@@ -270,7 +280,8 @@ def _hf_windows(raw: dict, arch: str) -> list[int]:
         window = None
     layer_types = raw.get("layer_types")
     if layer_types is None:
-        return _windows(arch, raw["num_hidden_layers"], window, raw.get("sliding_window_pattern"))
+        return _windows(arch, bounded("num_layers", int(raw["num_hidden_layers"]), "num_hidden_layers"), window,
+                        raw.get("sliding_window_pattern"))
     unknown = set(layer_types) - {"full_attention", "sliding_attention"}
     if unknown:
         raise ValueError(f"unsupported layer_types {sorted(unknown)} (supported: full_attention, sliding_attention)")

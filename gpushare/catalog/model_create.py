@@ -17,24 +17,27 @@ import os
 from pathlib import Path
 
 from gpushare.catalog.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
+from gpushare.catalog.model_files import ModelFileError, open_regular
+from gpushare.catalog.modelfile import ModelfileError, format_modelfile
 from gpushare.settings.model_options import ModelPreset
-from gpushare.catalog.modelfile import format_modelfile
 
 GGUF_MAGIC = b"GGUF"
 
 
 def is_gguf(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(str(path)) as f:  # a FIFO is refused, never waited on
             return f.read(4) == GGUF_MAGIC
-    except OSError:
+    except (OSError, ModelFileError):
         return False
 
 
 def replaced_file(name: str, sources: dict[str, ModelSource]) -> str | None:
     """The file of the model `name` that a create replaces (None: a new name); refuses bad or foreign names."""
-    if not name or "/" in name or name.startswith(".") or name != name.strip() or name.endswith(MODELFILE_SUFFIX):
-        raise RegistrationError(f"invalid model name {name!r}: no '/', no leading '.', no surrounding spaces")
+    if (not name or "/" in name or name.startswith(".") or name != name.strip() or name.endswith(MODELFILE_SUFFIX)
+            or not name.isprintable()):
+        raise RegistrationError(f"invalid model name {name!r}: no '/', no leading '.', no surrounding spaces, "
+                                "no control characters")
     existing = sources.get(name) or sources.get(f"{name}:latest")
     if existing is None:
         return None
@@ -70,7 +73,11 @@ def create_model(models_dir: Path, sources: dict[str, ModelSource], find, name: 
     if not preset.is_empty():
         target = models_dir / f"{name}{MODELFILE_SUFFIX}"
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(format_modelfile(str(weights.resolve()), preset))
+        try:
+            text = format_modelfile(str(weights.resolve()), preset)
+        except ModelfileError as e:
+            raise RegistrationError(str(e)) from None
+        tmp.write_text(text)
     else:
         target = models_dir / (name if weights.is_dir() else f"{name}.gguf")
         tmp = target.with_name(f".{target.name}.tmp")

@@ -6,7 +6,6 @@ weights live in an engine worker process (models/loader.py builds those). ``gram
 the exact bytes of logprobs.
 """
 
-import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from gpushare.catalog.encoder_config import (EncoderConfig, encoder_config_from_
 from gpushare.catalog.gguf_reader import open_gguf
 from gpushare.catalog.llm_rerank import rerank_prompt_ids
 from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.catalog.model_files import read_json, read_text
 from gpushare.catalog.pooling import RANK, Pooling, pooling_from_dir, pooling_from_gguf
 from gpushare.catalog.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
@@ -88,7 +88,7 @@ def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     if os.path.isdir(path):
-        raw = json.load(open(os.path.join(path, "config.json")))
+        raw = _config_json(path)
         config = hf_config(raw)
         tokenizer, template, stop = hf_text_side(path, raw)
         info = hf_info(path, raw, config, weights)
@@ -155,13 +155,11 @@ def hf_info(path: str, raw: dict, config: ModelConfig, weights: str | None = Non
 def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
     """(config, chat template, info) without reading weights: for listings and ``show``."""
     if os.path.isdir(path):
-        cfg_file = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise FileNotFoundError(f"{path}: no config.json")
-        raw = json.load(open(cfg_file))
+        raw = _config_json(path)
         config = hf_config(raw)
-        tok_cfg = os.path.join(path, "tokenizer_config.json")
-        template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
+        template = (read_json(path, "tokenizer_config.json") or {}).get("chat_template")
+        if template is None:
+            template = read_text(path, "chat_template.jinja")
         pooling = pooling_from_dir(path)
         fit_context(config, pooling)
         return config, template, {**hf_info(path, raw, config), "kind": model_kind(config, pooling)}
@@ -199,11 +197,18 @@ def hf_text_side(path: str, raw: dict):
     framed = is_encoder_hf(raw) or os.path.isfile(os.path.join(path, "modules.json"))
     tokenizer, tok_cfg = tokenizer_from_dir(path, encoder=framed)
     template = tok_cfg.get("chat_template")
-    template_file = os.path.join(path, "chat_template.jinja")
-    if template is None and os.path.isfile(template_file):
-        template = open(template_file).read()
+    if template is None:
+        template = read_text(path, "chat_template.jinja")
     stop = stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
     return tokenizer, template, stop
+
+
+def _config_json(path: str) -> dict:
+    """A folder's config.json (read as model_files reads every file of a folder: no link out, regular)."""
+    raw = read_json(path, "config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{os.path.basename(path)}: no config.json")
+    return raw
 
 
 def _ids(value) -> list:
@@ -212,8 +217,7 @@ def _ids(value) -> list:
 
 def _generation_config(path: str) -> dict:
     """generation_config.json: where chat models (Phi-3, Llama 3) list their turn-end ids too."""
-    file = os.path.join(path, "generation_config.json")
-    return json.load(open(file)) if os.path.isfile(file) else {}
+    return read_json(path, "generation_config.json", {})
 
 
 def _file_type_name(file_type) -> str | None:

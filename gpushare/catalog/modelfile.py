@@ -1,8 +1,11 @@
 """Ollama's Modelfile: parse one into a base (FROM) and a ModelPreset, and write one back.
 
-The grammar is Ollama's: one ``INSTRUCTION arguments`` per line, instructions in any case,
-``#`` comment lines, an argument either bare (the rest of the line), in double quotes, or
-in triple quotes across lines. Instructions: FROM (required: a GGUF file, a Hugging Face
+The grammar is Ollama's (its parser/parser.go): one ``INSTRUCTION arguments`` per line,
+instructions in any case, ``#`` comment lines, an argument either bare (the rest of the line),
+in double quotes or in triple quotes, both across lines, without escapes: an argument ends at
+the first line end where what it holds so far is bare or a whole quoted string. Writing one
+back picks the first form that reads back as the value alone; a value none can hold (a line of
+it ends in a closing quote) is refused, so a SYSTEM can never add a FROM. Instructions: FROM (required: a GGUF file, a Hugging Face
 folder or a model's name), PARAMETER name value (repeatable; `stop` accumulates), SYSTEM,
 TEMPLATE (Jinja here; a Go template is refused), MESSAGE role content, LICENSE (repeatable).
 ADAPTER is refused (no LoRA). Every error names the file and the line.
@@ -57,31 +60,45 @@ class _Reader:
         return self.text[start:self.pos]
 
     def argument(self) -> str:
-        """A bare, "quoted" or \"\"\"triple-quoted\"\"\" argument; the line must end after it."""
+        """The argument that starts here, read as Ollama reads it (read_argument)."""
         start_line = self.line
-        if self.text.startswith('"""', self.pos):
-            end = self.text.find('"""', self.pos + 3)
-            if end < 0:
-                raise self.error('a """ argument is never closed', start_line)
-            value = self.text[self.pos + 3:end]
-            self.line += value.count("\n")
-            self.pos = end + 3
-        elif self.text.startswith('"', self.pos):
-            chars, i = [], self.pos + 1
-            while i < len(self.text) and self.text[i] not in '"\n':
-                if self.text[i] == "\\" and i + 1 < len(self.text) and self.text[i + 1] in '"\\':
-                    i += 1
-                chars.append(self.text[i])
-                i += 1
-            if i >= len(self.text) or self.text[i] != '"':
-                raise self.error("a quoted argument is never closed on its line")
-            value, self.pos = "".join(chars), i + 1
-        else:
-            return self.rest_of_line().strip()
-        trailing = self.rest_of_line().strip()
-        if trailing:
-            raise self.error(f"unexpected {trailing!r} after the closing quote")
+        read = read_argument(self.text, self.pos)
+        if read is None:
+            what = '"""' if self.text.startswith('"""', self.pos) else "quoted"
+            raise self.error(f"a {what} argument is never closed", start_line)
+        value, end = read
+        self.line += self.text.count("\n", self.pos, end)
+        self.pos = end
         return value
+
+
+def _line_end(text: str, start: int) -> int:
+    ends = [i for i in (text.find("\n", start), text.find("\r", start)) if i >= 0]
+    return min(ends) if ends else len(text)
+
+
+def _unquote(s: str) -> str | None:
+    """Ollama's unquote: a whole \"\"\"triple\"\"\" or "double" quoted string without its quotes, a bare
+    one as is; None while a quote is still open. There are no escapes."""
+    if s.startswith('"""'):
+        return s[3:-3] if len(s) >= 6 and s.endswith('"""') else None
+    if s.startswith('"'):
+        return s[1:-1] if len(s) >= 2 and s.endswith('"') else None
+    return s
+
+
+def read_argument(text: str, start: int) -> tuple[str, int] | None:
+    """(value, end) of the argument at ``start``, as Ollama's parser reads it: it runs to the first line
+    end (or the end of the text) where what it holds so far, stripped, unquotes; None if none does."""
+    end = start
+    while True:
+        end = _line_end(text, end)
+        value = _unquote(text[start:end].strip())
+        if value is not None:
+            return value, end
+        if end >= len(text):
+            return None
+        end += 1
 
 
 def parse_modelfile(text: str, where: str = "Modelfile") -> Modelfile:
@@ -135,13 +152,18 @@ def parse_modelfile(text: str, where: str = "Modelfile") -> Modelfile:
 
 
 def _quoted(value: str) -> str:
-    """An argument as written back: bare when the rest of a line reads it back as is, else quoted."""
-    if "\n" in value:
-        return f'"""{value}"""'
+    """An argument as written back: bare, "quoted" or \"\"\"triple-quoted\"\"\", the first that Ollama's parser
+    (read_argument) reads back as ``value`` and nothing more. Some values none can (a line of one ending
+    in three quotes): a ModelfileError, never a Modelfile that reads as other instructions."""
+    candidates = [f'"{value}"', f'"""{value}"""']
     if value and value == value.strip() and not value.startswith(('"', "#")):
-        return value
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+        candidates.insert(0, value)
+    for text in candidates:
+        if read_argument(text + "\n", 0) == (value, len(text)):
+            return text
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    raise ModelfileError(f"the value {shown!r} cannot be written in a Modelfile: Ollama's grammar has no escapes, "
+                         'and a line of it ends in a closing quote (" or """)')
 
 
 def format_modelfile(base: str, preset: ModelPreset, name: str | None = None) -> str:
@@ -150,7 +172,7 @@ def format_modelfile(base: str, preset: ModelPreset, name: str | None = None) ->
     if name:
         lines += ['# Modelfile generated by "gpushare show"', "# To build a new Modelfile based on this, replace FROM "
                   "with:", f"# FROM {name}", ""]
-    lines.append(f"FROM {base}")
+    lines.append(f"FROM {_quoted(base)}")
     if preset.template is not None:
         lines.append(f"TEMPLATE {_quoted(preset.template)}")
     if preset.system is not None:

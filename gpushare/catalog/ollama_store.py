@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from gpushare.settings.model_options import OPTION_TYPES, ModelPreset, OptionError, messages_from_json, options_from_json
@@ -30,6 +31,7 @@ DEFAULT_REGISTRY = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 MEDIA_TYPE = "application/vnd.ollama.image."
 FOLDER_MEDIA_TYPE = "application/vnd.gpushare.folder.v1+json"  # an HF folder pulled (catalog/hf_pull.py)
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 SKIPPED_LAYERS = {"template": "Go template: the GGUF's own chat template is used",
                   "projector": "vision projector: text only"}
 
@@ -47,6 +49,10 @@ def model_name(relative: Path) -> str:
 
 
 def blob_path(root: Path, digest: str) -> Path:
+    """The blob a layer's digest names; only ``sha256:<64 hex>`` digests are taken: a digest is used as a
+    file name, and ``../`` or an absolute one would name any file on the node."""
+    if not DIGEST.fullmatch(digest):
+        raise StoreError(f"a layer's digest {digest[:80]!r} is not sha256:<64 hex digits>")
     return root / "blobs" / digest.replace(":", "-")
 
 
@@ -84,6 +90,8 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
     model, preset = None, ModelPreset()
     for layer in layers:
         kind = layer["mediaType"].removeprefix(MEDIA_TYPE)
+        if not DIGEST.fullmatch(layer["digest"]):
+            raise StoreError(f"{manifest}: a layer's digest {layer['digest'][:80]!r} is not sha256:<64 hex digits>")
         blob = blob_path(root, layer["digest"])
         try:
             if kind == "model":

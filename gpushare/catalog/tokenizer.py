@@ -1,12 +1,18 @@
 """Tokenizer built with the `tokenizers` library from GGUF metadata or a `tokenizer.json`."""
 
-import json
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors)
 
+from gpushare.catalog.model_files import MAX_JSON_BYTES, read_bytes, read_json
+
+# Merge recovery's caps (recovered_merges): SentencePiece trains pieces of at most 16 characters by default
+# (its own ceiling is 512); Gemma's 256k vocabulary has about 2M splits.
+MAX_PIECE_CHARS = 512
+MAX_RECOVERY_SPLITS = 1 << 22
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -103,19 +109,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokeniz
 
 def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[str] | None, add_space_prefix: bool):
     vocab = {token: i for i, token in enumerate(tokens)}
-    if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:
-        # Recover merges from the vocabulary: every split of a token into two known pieces,
-        # ranked by the token's score (higher merges first), as SentencePiece does.
-        ranked = []
-        for token, i in vocab.items():
-            for cut in range(1, len(token)):
-                left, right = token[:cut], token[cut:]
-                if left in vocab and right in vocab:
-                    ranked.append((-scores[i], vocab[left], vocab[right], left, right))
-        ranked.sort()
-        pairs = [(left, right) for _, _, _, left, right in ranked]
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else recovered_merges(vocab, scores)
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token="<unk>" if "<unk>" in vocab else None,
                                  fuse_unk=True, byte_fallback=True))
     steps = [normalizers.Replace(" ", "\u2581")]
@@ -127,6 +121,33 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], merges: list[str]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else [])
     )
     return tok
+
+
+def recovered_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Merges of a vocabulary that lists none: every split of a token into two known pieces, ranked by
+    the token's score (higher merges first), as SentencePiece does. A token of n characters has n - 1
+    splits and each copies it, so the caps (MAX_PIECE_CHARS, MAX_RECOVERY_SPLITS) are checked over the
+    whole vocabulary before any split is made: a crafted file of long tokens would make this cubic."""
+    longest = max(map(len, vocab), default=0)
+    if longest > MAX_PIECE_CHARS:
+        raise ValueError(f"a token of {longest} characters in a vocabulary without merges: recovering merges "
+                         f"takes tokens of at most {MAX_PIECE_CHARS} characters (MAX_PIECE_CHARS)")
+    splits = sum(len(token) - 1 for token in vocab if token)
+    if splits > MAX_RECOVERY_SPLITS:
+        raise ValueError(f"a vocabulary without merges whose tokens have {splits} splits: recovering merges "
+                         f"takes at most {MAX_RECOVERY_SPLITS} (MAX_RECOVERY_SPLITS)")
+    score, left_ids, right_ids = [], [], []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = vocab.get(token[:cut]), vocab.get(token[cut:])
+            if left is not None and right is not None:
+                score.append(-scores[i])
+                left_ids.append(left)
+                right_ids.append(right)
+    # arrays, not tuples of strings: a few bytes a merge while they are ranked
+    order = np.lexsort((np.array(right_ids, np.int64), np.array(left_ids, np.int64), np.array(score, np.float64)))
+    text = {i: token for token, i in vocab.items()}
+    return [(text[left_ids[k]], text[right_ids[k]]) for k in order.tolist()]
 
 
 def tokenizer_from_gguf(meta: dict) -> Tokenizer:
@@ -224,14 +245,13 @@ def _token_text(value):
 def tokenizer_from_dir(path: str, encoder: bool = False) -> tuple[Tokenizer, dict]:
     """Load ``tokenizer.json``; returns the tokenizer and ``tokenizer_config.json`` (may be empty).
     ``encoder``: its post-processor frames inputs (Tokenizer.encode_input)."""
-    tok_file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(tok_file):
-        raise FileNotFoundError(f"{path}: no tokenizer.json")
-    hf = HFTokenizer.from_file(tok_file)
+    text = read_bytes(path, "tokenizer.json", MAX_JSON_BYTES)
+    if text is None:
+        raise FileNotFoundError(f"{os.path.basename(path)}: no tokenizer.json")
+    hf = HFTokenizer.from_str(text.decode("utf-8"))
     hf.no_padding()  # some files pad every input to a fixed length, and cut it (sentence-transformers' do)
     hf.no_truncation()
-    cfg_file = os.path.join(path, "tokenizer_config.json")
-    cfg = json.load(open(cfg_file)) if os.path.isfile(cfg_file) else {}
+    cfg = read_json(path, "tokenizer_config.json", {})
     special = {tok.id for tok in _added_tokens(hf) if tok.special}
     return Tokenizer(hf, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")),
                      add_bos=bool(cfg.get("add_bos_token", False)), special_ids=special, encoder=encoder), cfg

@@ -177,7 +177,7 @@ class Engine:
         return seq.request_id
 
     def request(self, model_name: str, prompt_ids: list[int], params: SamplingParams, tenant: str = DEFAULT_TENANT,
-                priority: str | None = None, clip: bool = False) -> GenerationRequest:
+                priority: str | None = None, clip: bool = False, fair_group: str = "") -> GenerationRequest:
         """A checked request for a loaded model (request.check_request against this engine's latest
         snapshot): what the offline API and in-process callers submit. ValueError says what is wrong."""
         params.validate()
@@ -186,7 +186,7 @@ class Engine:
                                priority=priority, clip=clip)
         if params.max_tokens != limits.max_tokens:
             params = replace(params, max_tokens=limits.max_tokens)
-        return GenerationRequest(model_name, list(prompt_ids), params, tenant, priority)
+        return GenerationRequest(model_name, list(prompt_ids), params, tenant, priority, fair_group=fair_group)
 
     def embed_request(self, model_name: str, inputs: list[list[int]], tenant: str = DEFAULT_TENANT) -> EmbedRequest:
         """A checked embedding request for a loaded model (request.check_embed); ValueError says what is wrong."""
@@ -459,10 +459,10 @@ class Engine:
         """Waiting prompts of tenants ahead of all running work get a step of their own. That step
         may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
         residents = list(self.models.values())
-        waiting = {(s.tenant, s.priority) for w in residents for s in w.scheduler.waiting}
+        waiting = {(s.fair_key, s.priority) for w in residents for s in w.scheduler.waiting}
         if not waiting:  # the usual case in a busy loop: nothing to weigh
             return
-        urgent = self.ledger.urgent_tenants(waiting, {(s.tenant, s.priority) for w in residents
+        urgent = self.ledger.urgent_tenants(waiting, {(s.fair_key, s.priority) for w in residents
                                                       for s in w.scheduler.running})
         if not urgent:
             return

@@ -2,7 +2,7 @@
 protocol/engine_stats.py)."""
 
 from gpushare.engine.tenant_ledger import TenantLedger
-from gpushare.protocol.engine_stats import EngineStats, ModelStats
+from gpushare.protocol.engine_stats import EngineStats, ModelStats, TenantModelStats
 from gpushare.protocol.tenant_policy import TenantStats
 
 
@@ -18,11 +18,23 @@ def engine_stats(engine) -> EngineStats:
             prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
             preemptions=w.scheduler.num_preemptions, cached_blocks=len(blocks.cached),
             block_bytes=blocks.block_bytes,
-            kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)))
+            kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)),
+            tenants=_tenants_of_model(w.scheduler))
     for name, e in list(engine.encoders.items()):  # no KV: block_bytes 0 (request.model_limits)
         out.models[name] = ModelStats(blocks_total=0, block_size=engine.config.block_size, steps=e.steps,
                                       running=sum(p.model_name == name for p in list(engine.pending_embeds)),
                                       prompt_tokens=e.prompt_tokens)
+    return out
+
+
+def _tenants_of_model(scheduler) -> dict[str, TenantModelStats]:
+    out: dict[str, TenantModelStats] = {}
+    for seq in list(scheduler.running):
+        out.setdefault(seq.tenant, TenantModelStats()).running += 1
+    for seq in list(scheduler.waiting):
+        out.setdefault(seq.tenant, TenantModelStats()).waiting += 1
+    for tenant in list(scheduler.pool.held):
+        out.setdefault(tenant, TenantModelStats()).blocks_used = scheduler.pool.tenant_blocks(tenant)
     return out
 
 

@@ -21,7 +21,7 @@ def new_sequence(loaded: LoadedModel, request: GenerationRequest,
         raise ValueError(f"max_tokens must be fixed by request.check_request before submitting, got "
                          f"{params.max_tokens!r}")
     seq = Sequence(request.request_id, request.model, list(request.prompt_ids), params, on_output, request.tenant,
-                   max_tokens=params.max_tokens, priority=request.priority)
+                   max_tokens=params.max_tokens, priority=request.priority, fair_group=request.fair_group)
     if params.prompt_logprobs is not None:
         seq.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
     if params.seed is not None:

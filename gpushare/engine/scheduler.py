@@ -44,9 +44,9 @@ class Scheduler:
         self.borrow: Callable[["Scheduler"], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
-        active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        if seq.tenant not in active:
-            self.ledger.activate(seq.tenant, active)
+        active = {s.fair_key for s in self.running} | {s.fair_key for s in self.waiting}
+        if seq.fair_key not in active:
+            self.ledger.activate(seq.fair_key, active)
         self.waiting.append(seq)
 
     def adopt(self, seq: Sequence) -> None:
@@ -93,10 +93,10 @@ class Scheduler:
         blocked: set[str] = set()  # tenants that could not get blocks this step
         while budget > 0 and len(self.running) < self.max_num_seqs:
             candidates = [s for s in self.waiting
-                          if s.tenant not in blocked and (only is None or (s.tenant, s.priority) in only)]
+                          if s.tenant not in blocked and (only is None or (s.fair_key, s.priority) in only)]
             if not candidates:
                 return
-            seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.tenant, s.priority), s.arrival_s))
+            seq = min(candidates, key=lambda s: (*self.ledger.admission_key(s.fair_key, s.priority), s.arrival_s))
             hit = self.pool.match_prefix(seq)
             chunk = min(seq.num_pending, budget)
             if not self._grow_for_admission(seq, chunk, borrow=only is None):
@@ -152,7 +152,7 @@ class Scheduler:
         """Charge computed tokens to tenants, publish newly filled blocks to the prefix cache, and free
         the blocks that fell out of every layer's sliding window."""
         for seq, chunk in zip(batch.seqs, batch.chunks):
-            self.ledger.count_computed(seq.tenant, chunk)
+            self.ledger.count_computed(seq.tenant, chunk, seq.fair_key)
             self.pool.register_full_blocks(seq)
             out = blocks_out_of_window(seq.num_computed, self.pool.block_size, self.kv_window)
             if out:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from gpushare.engine.tenant_ledger import group_key
 from gpushare.protocol.outputs import RequestOutput
 from gpushare.protocol.sampling_params import SamplingParams, TokenLogprobs
 
@@ -30,6 +31,7 @@ class Sequence:
     tenant: str = "default"
     max_tokens: int = 0
     priority: str | None = None  # this request's own (a trusted gateway's objective); None: its tenant's
+    fair_group: str = ""  # a fair-share group inside the tenant (a trusted gateway's fairness id)
     arrival_s: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -49,6 +51,12 @@ class Sequence:
     emitted_chars: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
+
+    @property
+    def fair_key(self) -> str:
+        """Whose fair-share counter this sequence counts against: its tenant's, or a group's inside it.
+        KV charges, limits and the prefix-cache scope stay the tenant's (``tenant``) whatever the group."""
+        return group_key(self.tenant, self.fair_group)
 
     @property
     def all_ids(self) -> list[int]:

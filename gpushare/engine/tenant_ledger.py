@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 from gpushare.protocol.tenant_policy import PRIORITIES, TenantPolicy
 
+GROUP_SEPARATOR = "\x1f"  # in a fair-share key "tenant<US>group": no printable tenant name holds it
+
+
+def group_key(tenant: str, fair_group: str) -> str:
+    """The fair-share counter of a group inside a tenant (a trusted gateway's fairness id), or the tenant's."""
+    return f"{tenant}{GROUP_SEPARATOR}{fair_group}" if fair_group else tenant
+
+
+def tenant_of_key(key: str) -> str:
+    return key.partition(GROUP_SEPARATOR)[0]
+
 
 @dataclass
 class TenantLedger:
@@ -18,7 +29,9 @@ class TenantLedger:
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
 
     def policy(self, tenant: str) -> TenantPolicy:
-        return self.policies.get(tenant) or TenantPolicy(tenant)
+        """The tenant's policy; for a fair-share group's key (group_key), its tenant's."""
+        name = tenant_of_key(tenant)
+        return self.policies.get(name) or TenantPolicy(name)
 
     def charge(self, tenant: str, delta_bytes: int) -> None:
         self.used_bytes[tenant] = self.used_bytes.get(tenant, 0) + delta_bytes
@@ -28,9 +41,11 @@ class TenantLedger:
         limit = self.policy(tenant).limit_bytes(bytes_per_token)
         return None if limit is None else limit - self.used_bytes.get(tenant, 0)
 
-    def count_computed(self, tenant: str, tokens: int) -> None:
+    def count_computed(self, tenant: str, tokens: int, fair_key: str | None = None) -> None:
+        """``fair_key``: the fair-share counter that grows (a group's inside the tenant); None: the tenant's."""
         self.computed_tokens[tenant] = self.computed_tokens.get(tenant, 0) + tokens
-        self.virtual_tokens[tenant] = self.virtual_tokens.get(tenant, 0.0) + tokens / self.policy(tenant).weight
+        key = fair_key or tenant
+        self.virtual_tokens[key] = self.virtual_tokens.get(key, 0.0) + tokens / self.policy(tenant).weight
 
     def activate(self, tenant: str, active: set) -> None:
         """A tenant with no work that comes back starts at the smallest active counter, not below:

@@ -9,6 +9,12 @@ then every rank runs the same layers, meeting in the all-reduce after each atten
 block. The other ranks keep their KV heads at the same block ids, so one block table serves all.
 Communication is torch.distributed: gloo between CPU ranks, NCCL between GPUs.
 
+A group is the ranks of one node, so its sockets listen on loopback only (``bind_to_loopback``:
+gloo's and NCCL's interface, the master address): torch.distributed would otherwise listen on the
+address the host name resolves to, and the ranks unpickle the ops that arrive (``broadcast_op``).
+An operator who sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / MASTER_ADDR keeps them (a
+multi-node group: docs/security.md says what that exposes).
+
 A step's layers run without pausing: the ranks would need a message per layer to agree on where
 a pause falls. Collectives are issued from one thread on each rank (the engine thread on the
 first, the loop thread on the others), as process groups need.
@@ -19,10 +25,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import os
 import pickle
+import socket
 import threading
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -78,8 +87,30 @@ class _Group:
 _group = _Group()
 
 
+LOOPBACK_SETTINGS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 ("lo" on Linux)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
+def bind_to_loopback(environ=os.environ) -> None:
+    """Make this process's torch.distributed sockets (gloo's, NCCL's bootstrap) listen on loopback,
+    unless the operator chose an interface; the master address likewise."""
+    interface = loopback_interface()
+    for name in LOOPBACK_SETTINGS:
+        environ.setdefault(name, interface)
+    environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
 def join_group(spec: GroupSpec, device: str) -> None:
-    """Join the group's process group; blocks until every rank has."""
+    """Join the group's process group (its sockets on loopback: bind_to_loopback); blocks until every
+    rank has."""
+    bind_to_loopback()
     on_gpu = device.startswith("cuda")
     if on_gpu:
         torch.cuda.set_device(torch.device(device))

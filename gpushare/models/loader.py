@@ -2,13 +2,12 @@
 chat template, stop ids: catalog/model_head.py). Encoders (BERT family) load through models/encoder_loader.py."""
 
 import ctypes
-import glob
-import json
 import os
 
 import torch
 
 from gpushare import kernels
+from gpushare.catalog.model_files import read_json, weight_files
 from gpushare.catalog.model_config import config_from_gguf, config_from_hf
 from gpushare.models.cpu_kernels import measure_again_if_provisional, quantized_kernel, wide_int8_kernel
 from gpushare.catalog.encoder_config import is_encoder_gguf, is_encoder_hf
@@ -60,14 +59,13 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     as ``read_gguf`` gives them, each converted as soon as it is read."""
     from safetensors import safe_open
 
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{path}: no config.json")
-    raw = json.load(open(cfg_file))
+    raw = read_json(path, "config.json")
+    if raw is None:
+        raise FileNotFoundError(f"{os.path.basename(path)}: no config.json")
     config = config_from_hf(raw)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = weight_files(path)
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+        raise FileNotFoundError(f"{os.path.basename(path)}: no *.safetensors files")
     weights = resolve_weights(weights, device, set())  # safetensors folders hold dense weights
     state = {}
     total = sum(os.path.getsize(f) for f in files)
@@ -83,7 +81,7 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
-            raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+            raise ValueError(f"{os.path.basename(f)}: corrupt safetensors file ({e})") from e
         done += os.path.getsize(f)
         if progress is not None:
             progress(done, total)
@@ -131,8 +129,8 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
 
 def _is_encoder(path: str) -> bool:
     if os.path.isdir(path):
-        cfg_file = os.path.join(path, "config.json")
-        return os.path.isfile(cfg_file) and is_encoder_hf(json.load(open(cfg_file)))
+        raw = read_json(path, "config.json")
+        return raw is not None and is_encoder_hf(raw)
     return is_encoder_gguf(open_gguf(path)[0])
 
 

@@ -11,6 +11,14 @@ from gpushare.protocol.tenant_policy import TenantStats
 
 
 @dataclass
+class TenantModelStats:
+    """One tenant's share of one model: what /api/ps shows a tenant of a model others use too."""
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0  # blocks charged to the tenant in this model's pool
+
+
+@dataclass
 class ModelStats:
     blocks_total: int  # blocks this model could hold with the whole device pool
     block_size: int
@@ -24,6 +32,7 @@ class ModelStats:
     cached_blocks: int = 0
     block_bytes: int = 0
     kv_committed_bytes: int = 0  # the device pool's slabs this model holds now
+    tenants: dict[str, TenantModelStats] = field(default_factory=dict)
 
 
 @dataclass

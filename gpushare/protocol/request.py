@@ -47,6 +47,7 @@ class GenerationRequest:
     tenant: str = DEFAULT_TENANT
     priority: str | None = None  # this request's own (interactive | batch); None: its tenant's
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    fair_group: str = ""  # a fair-share group inside the tenant (a trusted gateway's fairness id); "": none
 
 
 @dataclass

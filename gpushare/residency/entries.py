@@ -20,7 +20,12 @@ class RegistryFull(RuntimeError):
 
 
 class ModelLoadError(RuntimeError):
-    pass
+    """A model that cannot load. ``refused``: its files were refused as data (malformed, over a cap,
+    a link out of its folder, not a regular file), a 422 naming why; else a failure of the node (500)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass

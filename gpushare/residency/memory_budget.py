@@ -9,15 +9,17 @@ estimate with the real number once the model has loaded.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 
+from gpushare.catalog.model_files import ModelFileError, open_regular, weight_files
+
 DEFAULT_GPU_BUDGET_FRACTION = 0.9  # of the device's memory: the CUDA context and allocator slack need the rest
 DEFAULT_CPU_BUDGET_FRACTION = 0.8  # of the host RAM available at start
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors format's own cap on its JSON header
 
 
 @dataclass
@@ -46,18 +48,25 @@ def count_gguf_tensors(path: str) -> TensorCount:
 
 
 def count_safetensors(folder: str) -> TensorCount:
-    """Element counts from the JSON headers of a folder's *.safetensors files."""
+    """Element counts from the JSON headers of a folder's *.safetensors files: each a regular file in
+    the folder (a FIFO would block this thread for ever), its header at most MAX_SAFETENSORS_HEADER_BYTES."""
     elements = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+    for path in weight_files(folder):
+        name = os.path.basename(path)
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, name) as f:
                 (header_length,) = struct.unpack("<Q", _read_exact(f, 8))
+                if header_length > MAX_SAFETENSORS_HEADER_BYTES:
+                    raise ValueError(f"its header claims {header_length} bytes, over the format's "
+                                     f"{MAX_SAFETENSORS_HEADER_BYTES}")
                 header = json.loads(_read_exact(f, header_length))
+        except ModelFileError:
+            raise
         except (ValueError, struct.error) as e:
-            raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+            raise ValueError(f"{name}: corrupt safetensors header ({e})") from None
         elements.update((name, math.prod(info["shape"])) for name, info in header.items() if name != "__metadata__")
     if not elements:
-        raise ValueError(f"{folder}: no *.safetensors files")
+        raise ValueError(f"{os.path.basename(folder)}: no *.safetensors files")
     tied = elements.get("model.embed_tokens.weight", 0) if "lm_head.weight" not in elements else 0
     return TensorCount(sum(elements.values()), tied)
 

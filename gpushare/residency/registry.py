@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpushare.catalog.blob_store import drop_unused
+from gpushare.catalog.model_files import without_paths
 from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
@@ -33,7 +34,7 @@ from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, Mod
                                            describe_files, describe_model, model_sources)
 from gpushare.protocol.device import Device
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
-from gpushare.residency.residency import Residency
+from gpushare.residency.residency import HEADER_READ_TIMEOUT_S, Residency
 from gpushare.settings.model_options import ModelPreset
 from gpushare.protocol.weight_format import resolve_weights
 
@@ -155,9 +156,14 @@ class Registry:
         desc = self.cached_description(source)
         if desc is None:
             try:
-                desc = await asyncio.to_thread(describe_files, source.path)
+                desc = await asyncio.wait_for(asyncio.to_thread(describe_files, source.path), HEADER_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ModelLoadError(f'cannot read model "{source.name}": its files took over '
+                                     f"{HEADER_READ_TIMEOUT_S:g}s to read", refused=True) from None
             except Exception as e:
-                raise ModelLoadError(f'cannot read model "{source.name}" ({source.path}): {e}') from e
+                log.warning("describing %s (%s) failed: %s", source.name, source.path, e)
+                raise ModelLoadError(f'cannot read model "{source.name}": {without_paths(str(e), source.path)}',
+                                     refused=isinstance(e, (ValueError, OSError))) from e
             self._descriptions[source.digest()] = desc
         return desc
 

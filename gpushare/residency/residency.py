@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+from gpushare.catalog.model_files import without_paths
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
 from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
 from gpushare.catalog.model_catalog import ModelSource
@@ -39,6 +41,9 @@ log = logging.getLogger("gpushare.registry")
 
 ROOM_WAIT_TIMEOUT_S = 300.0  # as Ollama's OLLAMA_LOAD_TIMEOUT: how long a load waits for busy models
 DEVICE_POLL_S = 1.0  # how often a load waiting for an unhealthy device looks again
+# Reading a model's header (its tensor table, its config): seconds for a file that is slow to read
+# (a stalled network mount). FIFOs and devices are refused at open (catalog/model_files.py).
+HEADER_READ_TIMEOUT_S = 60.0
 
 
 class Residency:
@@ -258,9 +263,14 @@ class Residency:
         key = self.warm_key(source, device)
         if key not in self._sizes:
             try:
-                count = await asyncio.to_thread(count_tensors, source.path)
+                count = await asyncio.wait_for(asyncio.to_thread(count_tensors, source.path), HEADER_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ModelLoadError(f'failed to load model "{source.name}": its files took over '
+                                     f"{HEADER_READ_TIMEOUT_S:g}s to read", refused=True) from None
             except (OSError, ValueError) as e:
-                raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
+                log.warning("sizing %s (%s) failed: %s", source.name, source.path, e)
+                raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
+                                     refused=True) from e
             weights = resolve_weights(self.weights_of(source), self.kind(device), set(count.source_types))
             per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
             self._sizes[key] = (per_rank_bytes, count.parameters)
@@ -300,12 +310,15 @@ class Residency:
                 return [self.start_unload(self._entry(v.name)) for v in victims]
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                busy = ", ".join(e.name for e in here if e.active) or "none"
+                # The busy models by number only: their names may be outside the asker's allow-list.
+                busy = [e.name for e in here if e.active]
+                log.info("load of %s gave up waiting for room on %s; busy: %s", source.name, device,
+                         ", ".join(busy) or "none")
                 raise RegistryFull(f'cannot load model "{source.name}": it needs {need_bytes} bytes, '
                                    f"{self.budget_bytes - self.used_bytes(device)} are free in memory.budget on "
                                    f"device {device} ({self.budget_bytes} bytes, max_loaded_models "
-                                   f"{self.max_models}) and the models holding the rest stayed busy ({busy}); "
-                                   f"retry later", 5)
+                                   f"{self.max_models}) and the {len(busy)} busy models holding the rest stayed "
+                                   f"busy; retry later", 5)
             try:
                 await asyncio.wait_for(self.room_changed(), remaining_s)
             except asyncio.TimeoutError:
@@ -324,8 +337,9 @@ class Residency:
         except WorkerDied as e:  # not the model's fault: the device's worker died meanwhile
             raise RegistryFull(f'cannot load model "{source.name}" now: {e}; retry', 5) from e
         except Exception as e:
-            log.warning("loading %s failed: %s", source.name, e)
-            raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
+            log.warning("loading %s (%s) failed: %s", source.name, source.path, e)
+            raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
+                                 refused=isinstance(e, (ValueError, OSError))) from e
         load_s = time.monotonic() - t0
         rank_bytes = -(-weight_bytes // device.world_size)
         self._sizes[key] = (rank_bytes, parameter_count)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import yaml
 
 from gpushare.settings.environment import apply_environment, ollama_stores
-from gpushare.settings.values import (DEFAULT_PORT, ConfigError, choice, expect_mapping, non_negative_int,
+from gpushare.settings.values import (DEFAULT_PORT, ConfigError, choice, described, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
 from gpushare.protocol.engine_config import KV_DTYPES
 from gpushare.settings.limit_settings import LimitSettings, read_limits
@@ -149,7 +150,7 @@ def _read_origins(raw: Any, key: str) -> list[str]:
     """Origins as OLLAMA_ORIGINS takes them: a list, or one comma-separated string; `*` is a wildcard."""
     items = raw.split(",") if isinstance(raw, str) else raw
     if not isinstance(items, list) or not all(isinstance(o, str) and o.strip() for o in items):
-        raise ConfigError(f"{key}: must be a list of origins such as https://app.example.com, got {raw!r}")
+        raise ConfigError(f"{key}: must be a list of origins such as https://app.example.com, got {described(raw)}")
     return [o.strip() for o in items]
 
 
@@ -157,7 +158,7 @@ def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[Model
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ConfigError(f"models: must be a list of {{name, path}} mappings, got {raw!r}")
+        raise ConfigError(f"models: must be a list of {{name, path}} mappings, got {described(raw)}")
     entries, seen = [], set()
     for i, item in enumerate(raw):
         key = f"models[{i}]"
@@ -227,7 +228,7 @@ def _read_devices(raw: Any) -> list[str] | None:
     if raw == "auto":
         return None
     if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"engine.devices: must be auto or a non-empty list of devices, got {raw!r}")
+        raise ConfigError(f"engine.devices: must be auto or a non-empty list of devices, got {described(raw)}")
     taken: dict[int, str] = {}  # CPU -> the cpu:LIST entry holding it
     for i, text in enumerate(raw):
         key = f"engine.devices[{i}]"
@@ -355,7 +356,7 @@ def parse_settings(raw: Any, base_dir: Path | None = None, env: dict | None = No
         s.models = [m for m in [bundled_model()] if m is not None]
     models_dir = env.get("GPUSHARE_MODELS") or d.get("models_dir") or DEFAULT_MODELS_DIR
     if not isinstance(models_dir, str):
-        raise ConfigError(f"models_dir: must be a path, got {models_dir!r}")
+        raise ConfigError(f"models_dir: must be a path, got {described(models_dir)}")
     s.models_dir = Path(models_dir).expanduser()
     return s
 
@@ -389,7 +390,10 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     """The parser's complaint and where, without the quoted lines of the file (they may hold API keys)."""
     mark = getattr(e, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + " ".join(str(part) for part in (getattr(e, "context", None), getattr(e, "problem", None)) if part)
+    text = " ".join(str(part) for part in (getattr(e, "context", None), getattr(e, "problem", None)) if part)
+    # The parser quotes what it found ("found undefined alias 'sk-...'" for an unquoted `*sk-...`):
+    # anything longer than a character or two may be a key.
+    return where + re.sub(r"'[^']{3,}'", "(not shown)", text)
 
 
 def reload_settings(current: Settings) -> Settings:

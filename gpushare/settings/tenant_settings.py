@@ -44,6 +44,13 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# Keys printed in this project's files (deploy/kubernetes/secret.yaml's placeholders, the example keys
+# docs have shown): anyone can send them, so a config whose key is one of them is refused.
+PLACEHOLDER_KEYS = ("gpushare-chat-change-me", "gpushare-batch-change-me", "gpushare-ops-change-me",
+                    "chat-secret", "batch-secret", "research-secret", "ops-secret")
+PLACEHOLDER_DIGESTS = frozenset(hash_api_key(k) for k in PLACEHOLDER_KEYS)
+
+
 def _kv_amount(value: Any, key: str) -> tuple[int, int]:
     """(bytes, tokens) from "512MiB" / a byte count, or "8192tok"; the other one is 0."""
     m = _TOKENS_RE.match(value) if isinstance(value, str) else None
@@ -72,8 +79,14 @@ def _read_api_keys(raw: Any, key: str) -> list[str]:
             raise ConfigError(f"{key}[{j}]: must be a non-empty string, got {_redacted(k)}")
         m = _SHA256_KEY_RE.match(k.strip())
         if k.strip().startswith("sha256:") and not m:
-            raise ConfigError(f"{key}[{j}]: sha256: must be followed by 64 hex digits")
-        digests.append(m.group(1).lower() if m else hash_api_key(k.strip()))
+            raise ConfigError(f"{key}[{j}]: sha256: must be followed by 64 hex digits (the Kubernetes manifests "
+                              "fill their placeholders in from the Secret at deploy time: docs/kubernetes.md)")
+        digest = m.group(1).lower() if m else hash_api_key(k.strip())
+        if digest in PLACEHOLDER_DIGESTS:
+            raise ConfigError(f"{key}[{j}]: this is a published placeholder key (deploy/kubernetes/secret.yaml, "
+                              "the docs' examples) that anyone can send; refusing to start: put a key of your "
+                              "own (and its digest) in its place")
+        digests.append(digest)
     return digests
 
 

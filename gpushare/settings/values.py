@@ -84,11 +84,28 @@ def parse_host(value: str, key: str = "server.host") -> tuple[str, int]:
 
 # ---------------------------------------------------------------------------- section readers
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def described(value: Any, quote_strings: bool = True) -> str:
+    """A bad value as an error shows it: a list or mapping by its type and size, never its items (a
+    whole document's, API keys included, would reach the journal and STATUS=); a string by its
+    length when ``quote_strings`` is false."""
+    if isinstance(value, dict):
+        return f"a mapping of {_count(len(value), 'key')}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {_count(len(value), 'item')}"
+    if isinstance(value, str) and not quote_strings:
+        return f"a string of {_count(len(value), 'character')}"
+    return f"{type(value).__name__} {value!r}"
+
+
 def expect_mapping(value: Any, key: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: must be a mapping, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: must be a mapping, got {described(value, quote_strings=False)}")
     return value
 
 
