@@ -7,11 +7,12 @@ import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_text, off_loop
+from gpushare.api.context import context, encode_text
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
+from gpushare.api.work import bounded
 from gpushare.engine.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 
@@ -32,7 +33,8 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.engine.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists = []
-        encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
+        encoded = await bounded(request, "tokenising the inputs",
+                                lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
         for i, ids in enumerate(encoded):
             if not ids:
                 raise bad_request(f"input[{i}] is empty", param="input")
