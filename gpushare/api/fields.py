@@ -29,15 +29,14 @@ async def read_json_object(request: web.Request) -> dict:
     """The body as a JSON object, or 4xx saying why it is not one (too big, too many values, nested too
     deep). Parsed in the work pool (api/work.py), after a bound on its size and on its values."""
     limits = limits_of(request)
-    raw = await _read_body(request, limits.max_body_bytes)
-    if not raw or raw.isspace():
-        raise bad_request("request body is empty; expected a JSON object")
-    body = await bounded(request, "parsing the request body", parse_json_object, raw, limits)
+    chunks = await _read_body(request, limits.max_body_bytes)
+    body = await bounded(request, "parsing the request body", parse_json_object, chunks, limits)
     request[JSON_BODY] = body
     return body
 
 
-async def _read_body(request: web.Request, limit_bytes: int) -> bytes:
+async def _read_body(request: web.Request, limit_bytes: int) -> list[bytes]:
+    """The body as it came, in pieces of at most 1 MiB (joined off the loop)."""
     too_big = ApiError(413, f"request body is larger than the limit of {limit_bytes} bytes (limits.max_body_bytes)")
     if request.content_length is not None and request.content_length > limit_bytes:
         raise too_big
@@ -47,17 +46,25 @@ async def _read_body(request: web.Request, limit_bytes: int) -> bytes:
         if size > limit_bytes:  # chunked, or a Content-Length that lied
             raise too_big
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks
 
 
-def parse_json_object(raw: bytes, limits) -> dict:
-    """``raw`` parsed, once its values are known to be few enough. The C parser holds the GIL from
-    start to end (the event loop waits meanwhile), so the body's "{", "[" and "," are counted first:
-    every JSON value but the first needs one of them (those inside strings count too: an upper bound)."""
-    items = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
-    if items > limits.max_json_items:
-        raise bad_request(f'request body has {items} JSON objects, arrays and commas, more than the limit of '
-                          f'{limits.max_json_items} (limits.max_json_items)')
+def parse_json_object(chunks: list[bytes], limits) -> dict:
+    """The body's pieces parsed, once its values are known to be few enough. The C parser holds the GIL
+    from start to end (the event loop waits meanwhile), so the body's "{", "[" and "," are counted
+    first, a piece at a time (the loop gets the GIL between pieces): every JSON value but the first
+    needs one of them (those inside strings count too: an upper bound)."""
+    items = opening = 0
+    for chunk in chunks:
+        brackets = chunk.count(b"{") + chunk.count(b"[")
+        opening += brackets
+        items += brackets + chunk.count(b",")
+        if items > limits.max_json_items:
+            raise bad_request(f"request body has more than {limits.max_json_items} JSON objects, arrays and commas, "
+                              f"the limit (limits.max_json_items)")
+    raw = b"".join(chunks)
+    if not raw or raw.isspace():
+        raise bad_request("request body is empty; expected a JSON object")
     too_deep = bad_request(f"request body nests JSON deeper than the limit of {limits.max_json_depth} levels "
                            f"(limits.max_json_depth)")
     try:
@@ -68,7 +75,7 @@ def parse_json_object(raw: bytes, limits) -> dict:
         raise too_deep from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
-    if json_depth_over(body, limits.max_json_depth):
+    if opening > limits.max_json_depth and json_depth_over(body, limits.max_json_depth):  # else it cannot be
         raise too_deep
     return body
 

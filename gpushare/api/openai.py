@@ -105,7 +105,7 @@ def parse_prompt(body: dict, limits) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         check_count("prompt", len(prompt), "token ids", "max_prompt_chars", limits)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if set(map(type, prompt)) == {int}:  # one C loop; booleans are not token ids
             return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request('"prompt": one prompt per request is supported, got a batch of '
