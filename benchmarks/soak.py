@@ -15,7 +15,7 @@ Meanwhile a poller asks /api/version every 20 ms: its slowest answer is the long
 Afterwards: no KV block may stay held, RSS (the daemon's and its engine workers', each time once
 the idle models have given their KV slabs back; the template children, a pool of at most four
 that are killed and replaced, are shown apart) must be within `--rss-tolerance` (5%) of its value
-after warm-up, no poll may have taken over `--max-stall-s` (0.25), and every probe's greedy
+after warm-up (`--warmup` requests, then each attack on the event loop once), no poll may have taken over `--max-stall-s` (0.25), and every probe's greedy
 answer must equal the one before. Exit status 1 when a check fails.
 
     python benchmarks/soak.py                           # ten minutes and about two more
@@ -136,7 +136,9 @@ async def poll_version(base_url: str, stop: asyncio.Event, stalls: dict) -> None
                 ok = resp.status == 200
             took = time.monotonic() - started
             stalls["longest_s"] = max(stalls["longest_s"], took)
-            stalls["over"] += took > stalls["bound_s"]
+            if took > stalls["bound_s"]:
+                stalls["over"] += 1
+                stalls["slow_polls"].append([round(started - stalls["t0"], 3), round(took, 3)])
             stalls["polls"] += 1
             stalls["failed"] += not ok
             await asyncio.sleep(0.02)
@@ -169,20 +171,25 @@ async def greedy_answer(session: aiohttp.ClientSession, base_url: str, prompt: s
 
 
 async def loop_attack(session, base_url: str, attack, counts: dict) -> None:
+    """One of ``loop_attacks``; counted as refused when its 4xx names the limit (or, for one left by its
+    client, when nothing came back before it left); noted in ``counts["attacks"]`` as [start s, name,
+    seconds, status]."""
     name, path, data, leave_after_s = attack
+    started = time.monotonic()
     request = session.post(base_url + path, data=data, headers={"Content-Type": "application/json"})
     if leave_after_s is not None:
         try:
-            await asyncio.wait_for(request, leave_after_s)  # the template is still rendering: the client leaves
-        except asyncio.TimeoutError:
-            counts["hostile_4xx"] += 1
-            return
-        counts["hostile_other"] += 1
-        return
-    async with request as resp:
-        body = await resp.read()
-        good = 400 <= resp.status < 500 and b"limits." in body  # the 4xx names the limit
-        counts["hostile_4xx" if good else "hostile_other"] += 1
+            async with await asyncio.wait_for(request, leave_after_s) as resp:  # answered before the client left
+                status, good = resp.status, False
+        except asyncio.TimeoutError:  # the template is still rendering: the client leaves
+            status, good = "left", True
+    else:
+        async with request as resp:
+            body = await resp.read()
+            # The 4xx names the limit: a limits.* key, or the model's context for a token-id prompt too long.
+            status, good = resp.status, 400 <= resp.status < 500 and (b"limits." in body or b"usable context" in body)
+    counts["hostile_4xx" if good else "hostile_other"] += 1
+    counts["attacks"].append([round(started - counts["t0"], 3), name, round(time.monotonic() - started, 3), status])
 
 
 async def one_request(session, base_url: str, i: int, rng: random.Random, args, counts: dict,
@@ -199,9 +206,12 @@ async def one_request(session, base_url: str, i: int, rng: random.Random, args, 
             path, (payload, headers) = "/v1/chat/completions", HOSTILE[kind](body)
         data = payload if isinstance(payload, str) else json.dumps(payload)
         headers = {"Content-Type": "application/json", **headers}
+        started = time.monotonic()
         async with session.post(base_url + path, data=data, headers=headers) as resp:
             await resp.read()
             counts["hostile_4xx" if 400 <= resp.status < 500 else "hostile_other"] += 1
+        counts["attacks"].append([round(started - counts["t0"], 3), f"hostile[{kind}]",
+                                  round(time.monotonic() - started, 3), resp.status])
         return
     drop_after = rng.randint(1, args.tokens) if rng.random() < 1 / 3 else None
     async with session.post(base_url + "/v1/chat/completions", json=body) as resp:
@@ -253,15 +263,19 @@ async def run(args) -> dict:
     session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"},
                                     timeout=aiohttp.ClientTimeout(total=600))
     attacks = loop_attacks()
-    stalls = {"longest_s": 0.0, "over": 0, "polls": 0, "failed": 0, "bound_s": args.max_stall_s}
+    stalls = {"longest_s": 0.0, "over": 0, "polls": 0, "failed": 0, "bound_s": args.max_stall_s, "slow_polls": [],
+              "t0": time.monotonic()}
     try:
         await wait_started(proc, session, base_url, log)
         await add_slow_model(session, base_url)
         rng = random.Random(args.seed)
         counts = dict.fromkeys(("completed", "dropped", "hostile_4xx", "hostile_other", "failed"), 0)
-        warm = dict.fromkeys(counts, 0)
+        warm = {**counts, "attacks": [], "t0": stalls["t0"]}
+        counts.update(attacks=[], t0=stalls["t0"])
         for i in range(args.warmup):
             await one_request(session, base_url, -1 - i, rng, args, warm, attacks)
+        for attack in attacks:  # each once: the allocator's high-water mark for them belongs to the baseline
+            await loop_attack(session, base_url, attack, warm)
         probes_before = [await greedy_answer(session, base_url, p) for p in PROBES]
         rss_warm = await idle_rss(session, base_url, proc.pid)
         stop_polling = asyncio.Event()
@@ -318,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_with_model(p, argv)
     result = asyncio.run(run(args))
     c = result["counts"]
-    print(f"{sum(c.values())} requests in {result['elapsed_s']:.0f}s: {c['completed']} completed, "
+    total = sum(c[k] for k in ("completed", "dropped", "hostile_4xx", "hostile_other", "failed"))
+    print(f"{total} requests in {result['elapsed_s']:.0f}s: {c['completed']} completed, "
           f"{c['dropped']} dropped mid-stream, {c['hostile_4xx']} hostile refused with 4xx "
           f"({c['hostile_other']} otherwise), {c['failed']} failed")
     print(f"KV blocks held afterwards: {result['kv_blocks_held_after']}; RSS {result['rss_warm_bytes'] / 2**20:.0f} "
@@ -329,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({st['over']} over {st['bound_s'] * 1000:.0f} ms, {st['failed']} failed); template children "
           f"{n_warm[1]} ({n_warm[0] / 2**20:.0f} MiB) -> {n_after[1]} ({n_after[0] / 2**20:.0f} MiB); "
           f"{'PASSED' if result['passed'] else 'FAILED'}")
+    for at_s, took_s in st["slow_polls"]:  # what was under way then
+        during = [a for a in c["attacks"] if a[0] <= at_s + took_s and at_s <= a[0] + a[2]]
+        print(f"  a poll at {at_s:.1f}s took {took_s * 1000:.0f} ms; attacks under way: {during or 'none'}")
+    for attack in c["attacks"]:
+        if attack[3] != "left" and not (isinstance(attack[3], int) and 400 <= attack[3] < 500):
+            print(f"  not refused: {attack}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0 if result["passed"] else 1
