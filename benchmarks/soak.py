@@ -15,8 +15,8 @@ Meanwhile a poller asks /api/version every 20 ms: its slowest answer is the long
 Afterwards: no KV block may stay held, RSS (the daemon's and its engine workers', each time once
 the idle models have given their KV slabs back; the template children, a pool of at most four
 that are killed and replaced, are shown apart) must be within `--rss-tolerance` (5%) of its value
-after warm-up (`--warmup` requests, then each attack on the event loop once), no poll may have taken over `--max-stall-s` (0.25), and every probe's greedy
-answer must equal the one before. Exit status 1 when a check fails.
+after warm-up (`--warmup` requests, then each attack on the event loop once), no poll may have
+taken over `--max-stall-s` (0.25), and every probe's greedy answer must equal the one before. Exit status 1 when a check fails.
 
     python benchmarks/soak.py                           # ten minutes and about two more
     python benchmarks/soak.py --duration-s 60 --json-out soak.json

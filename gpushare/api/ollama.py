@@ -36,9 +36,9 @@ from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked
 from gpushare.api.structured import ollama_format
 from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
                                   visible)
-from gpushare.api.work import bounded, budget_of
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
+from gpushare.api.work import bounded, budget_of
 from gpushare.residency.model_catalog import catalog_problems
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
@@ -142,7 +142,8 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
 async def _generate(request: web.Request, body: dict, model: str, make_prompt, chat: bool,
                     tools: ToolSpec | None = None) -> web.StreamResponse:
     """Run one generation; `make_prompt(loaded_model, preset, room, budget)` -> token ids (room: the most tokens
-    the request may hold; budget: its WorkBudget, for the chat template); ``chat``: answer as a message. The model's preset options sit under the request's."""
+    the request may hold; budget: its WorkBudget, for the chat template), run in the work pool; ``chat``:
+    answer as a message. The model's preset options sit under the request's."""
     sampling_from_options(body, limits_of(request))  # the request's own options: a 400 before a slot is taken
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)

@@ -27,10 +27,10 @@ from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
                                     make_sampling_params, relay)
 from gpushare.api.structured import openai_response_format
-from gpushare.api.work import bounded, budget_of
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 new_call_id, parse_calls, parse_tools)
 from gpushare.api.tenants import admit, check_model, visible
+from gpushare.api.work import bounded, budget_of
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 FINGERPRINT = "gpushare"
