@@ -8,7 +8,7 @@ prompts, then sends streaming chats for `--duration-s` (600), `--concurrency` (8
 - a tenth are hostile and must get a 4xx: bad sampling values, keep_alive "nan" or "1ms", too many
   stop strings or messages, nested JSON, a foreign Origin, a browser's text/plain body, and the
   attacks on the event loop (issue 34): 3,000 tools, a schema of 20,000 properties, a 64 MiB body
-  of nested empty objects, a 400,000-id token prompt, the never-ending template (waited for, or
+  of nested empty objects, token-id prompts of 400,000 and 150,000 ids, the never-ending template (waited for, or
   left after half a second);
 - the rest read their stream to the end.
 Meanwhile a poller asks /api/version every 20 ms: its slowest answer is the longest stall.
@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +81,8 @@ def loop_attacks() -> list[tuple[str, str, bytes, float | None]]:
             ("64_mib_nested_objects", "/api/chat", nested, None),
             ("400000_token_ids", "/v1/completions",
              json.dumps({"model": "bench", "prompt": [1] * 400_000}).encode(), None),
+            ("150000_token_ids", "/v1/completions",  # parsed (under limits.max_json_items), then refused
+             json.dumps({"model": "bench", "prompt": [1] * 150_000}).encode(), None),
             ("never_ending_template", "/api/chat", slow, None),
             ("never_ending_template_left", "/api/chat", slow, 0.5)]
 
@@ -125,23 +128,40 @@ def tree_rss(pid: int) -> tuple[int, int, int]:
     return main, children, count
 
 
-async def poll_version(base_url: str, stop: asyncio.Event, stalls: dict) -> None:
-    """/api/version every 20 ms over one connection until ``stop``; the slowest answer and how many
-    took over the stall bound."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        while not stop.is_set():
-            started = time.monotonic()
-            async with session.get(base_url + "/api/version") as resp:
-                await resp.read()
-                ok = resp.status == 200
-            took = time.monotonic() - started
-            stalls["longest_s"] = max(stalls["longest_s"], took)
-            if took > stalls["bound_s"]:
-                stalls["over"] += 1
-                stalls["slow_polls"].append([round(started - stalls["t0"], 3), round(took, 3)])
-            stalls["polls"] += 1
-            stalls["failed"] += not ok
-            await asyncio.sleep(0.02)
+# The poller is a process of its own, so that this one's work (sending 64 MiB bodies, reading eight
+# streams) does not delay it: what it measures is the daemon. It asks /api/version every 20 ms over
+# one connection until its stdin closes, then prints the slowest answer and the slow ones (their
+# start on the monotonic clock, which every process shares, and how long they took).
+POLLER = """
+import http.client, json, sys, threading, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
+bound_s, stop = float(sys.argv[2]), threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+result = {"longest_s": 0.0, "polls": 0, "failed": 0, "slow": []}
+while not stop.is_set():
+    started = time.monotonic()
+    conn.request("GET", "/api/version")
+    resp = conn.getresponse()
+    resp.read()
+    took = time.monotonic() - started
+    result["longest_s"], result["polls"] = max(result["longest_s"], took), result["polls"] + 1
+    result["failed"] += resp.status != 200
+    if took > bound_s:
+        result["slow"].append([started, took])
+    time.sleep(0.02)
+print(json.dumps(result))
+"""
+
+
+def start_poller(base_url: str, bound_s: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", POLLER, base_url.rsplit(":", 1)[1], str(bound_s)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def poller_result(poller: subprocess.Popen, t0: float, bound_s: float) -> dict:
+    result = json.loads(poller.communicate("", timeout=120)[0])
+    slow = [[round(started - t0, 3), round(took, 3)] for started, took in result.pop("slow")]
+    return {**result, "over": len(slow), "slow_polls": slow, "bound_s": bound_s}
 
 
 async def idle_rss(session: aiohttp.ClientSession, base_url: str, pid: int) -> tuple[int, int, int]:
@@ -263,23 +283,21 @@ async def run(args) -> dict:
     session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"},
                                     timeout=aiohttp.ClientTimeout(total=600))
     attacks = loop_attacks()
-    stalls = {"longest_s": 0.0, "over": 0, "polls": 0, "failed": 0, "bound_s": args.max_stall_s, "slow_polls": [],
-              "t0": time.monotonic()}
+    t0, poller = time.monotonic(), None
     try:
         await wait_started(proc, session, base_url, log)
         await add_slow_model(session, base_url)
         rng = random.Random(args.seed)
         counts = dict.fromkeys(("completed", "dropped", "hostile_4xx", "hostile_other", "failed"), 0)
-        warm = {**counts, "attacks": [], "t0": stalls["t0"]}
-        counts.update(attacks=[], t0=stalls["t0"])
+        warm = {**counts, "attacks": [], "t0": t0}
+        counts.update(attacks=[], t0=t0)
         for i in range(args.warmup):
             await one_request(session, base_url, -1 - i, rng, args, warm, attacks)
         for attack in attacks:  # each once: the allocator's high-water mark for them belongs to the baseline
             await loop_attack(session, base_url, attack, warm)
         probes_before = [await greedy_answer(session, base_url, p) for p in PROBES]
         rss_warm = await idle_rss(session, base_url, proc.pid)
-        stop_polling = asyncio.Event()
-        poller = asyncio.create_task(poll_version(base_url, stop_polling, stalls))
+        poller = start_poller(base_url, args.max_stall_s)
         started = time.monotonic()
         sent = iter(range(args.requests) if args.requests else itertools.count())
 
@@ -291,8 +309,7 @@ async def run(args) -> dict:
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         elapsed_s = time.monotonic() - started
-        stop_polling.set()
-        await poller
+        stalls = poller_result(poller, t0, args.max_stall_s)
         held = None
         for _ in range(60):  # cancelled requests free their blocks within an engine step
             held = sum(m["kv_blocks_used"] for m in (await ps(session, base_url))["models"])
@@ -302,6 +319,8 @@ async def run(args) -> dict:
         rss_after = await idle_rss(session, base_url, proc.pid)
         probes_after = [await greedy_answer(session, base_url, p) for p in PROBES]
     finally:
+        if poller is not None and poller.poll() is None:  # the run failed before reading it
+            poller.kill()
         await session.close()
         proc.terminate()
         proc.wait(60)

@@ -16,6 +16,7 @@ signal skips the drain.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import importlib.util
 import logging
@@ -195,9 +196,20 @@ async def drain(runner: web.AppRunner, ctx: ApiContext, force: asyncio.Event) ->
     await runner.cleanup()
 
 
+def return_big_buffers() -> None:
+    """Request bodies (up to limits.max_body_bytes) arrive in pieces of up to 1 MiB. glibc serves such
+    pieces from the heap once a freed one has raised its adaptive mmap threshold, and a fragmented
+    heap keeps them resident after the request: a fixed threshold maps each and unmaps it when freed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD, glibc's initial value
+    except OSError:  # not glibc: its allocator has its own policy
+        pass
+
+
 async def serve(settings: Settings) -> None:
     from gpushare.node.affinity import apply_thread_affinity
 
+    return_big_buffers()
     plans = plan_workers(settings)
     for note in plans.notes:
         log.info("pinning: %s", note)

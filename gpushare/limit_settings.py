@@ -27,7 +27,7 @@ class LimitSettings:
     max_embed_tokens: int = 65536  # their tokens, together
     max_json_depth: int = 64  # nesting of the JSON request body
     max_body_bytes: int = 64 << 20  # the request body, as sent
-    max_json_items: int = 500_000  # "{", "[" and "," in the body: a bound on its JSON values, counted before parsing
+    max_json_items: int = 200_000  # "{", "[" and "," in the body: a bound on its JSON values, counted before parsing
     max_tools: int = 128  # tools in one request (OpenAI's own limit)
     max_schema_chars: int = 131_072  # JSON text of a format schema, or of all tools' parameters together
     work_timeout_s: float = 10.0  # a request's work before the engine: parsing, schema checks, chat template, tokens

@@ -105,8 +105,8 @@ def parse_prompt(body: dict, limits) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         check_count("prompt", len(prompt), "token ids", "max_prompt_chars", limits)
-        if set(map(type, prompt)) == {int}:  # one C loop; booleans are not token ids
-            return prompt
+        if all(set(map(type, prompt[i:i + 16384])) <= {int} for i in range(0, len(prompt), 16384)):
+            return prompt  # C loops of 16,384 ids, the event loop's turn between them; booleans are not ids
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request('"prompt": one prompt per request is supported, got a batch of '
                           f"{len(prompt)}", param="prompt")
