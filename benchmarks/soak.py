@@ -14,9 +14,10 @@ prompts, then sends streaming chats for `--duration-s` (600), `--concurrency` (8
 Meanwhile a poller asks /api/version every 20 ms: its slowest answer is the longest stall.
 Afterwards: no KV block may stay held, RSS (the daemon's and its engine workers', each time once
 the idle models have given their KV slabs back; the template children, a pool of at most four
-that are killed and replaced, are shown apart) must be within `--rss-tolerance` (5%) of its value
-after warm-up (`--warmup` requests, then each attack on the event loop once), no poll may have
-taken over `--max-stall-s` (0.25), and every probe's greedy answer must equal the one before. Exit status 1 when a check fails.
+that are killed and replaced, are shown apart) must not grow by more than `--rss-tolerance` (5%)
+from its value after warm-up (`--warmup` requests, then each attack on the event loop once), no poll may have
+taken over `--max-stall-s` (0.25; less the daemon's waits for a CPU, see POLLER), and every
+probe's greedy answer must equal the one before. Exit status 1 when a check fails.
 
     python benchmarks/soak.py                           # ten minutes and about two more
     python benchmarks/soak.py --duration-s 60 --json-out soak.json
@@ -131,19 +132,29 @@ def tree_rss(pid: int) -> tuple[int, int, int]:
 # The poller is a process of its own, so that this one's work (sending 64 MiB bodies, reading eight
 # streams) does not delay it: what it measures is the daemon. It asks /api/version every 20 ms over
 # one connection until its stdin closes, then prints the slowest answer and the slow ones (their
-# start on the monotonic clock, which every process shares, and how long they took).
+# start on the monotonic clock, which every process shares, and how long they took). As in
+# tests/test_loop_bounds.py, an answer's time is counted less the time the daemon's event-loop
+# thread and the poller were runnable but waiting for a CPU (/proc/<tid>/schedstat), which on a
+# shared machine is other work's; "longest_raw_s" is the slowest answer as the client saw it.
 POLLER = """
 import http.client, json, sys, threading, time
 conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
-bound_s, stop = float(sys.argv[2]), threading.Event()
+bound_s, daemon_pid, stop = float(sys.argv[2]), int(sys.argv[3]), threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-result = {"longest_s": 0.0, "polls": 0, "failed": 0, "slow": []}
+result = {"longest_s": 0.0, "longest_raw_s": 0.0, "polls": 0, "failed": 0, "slow": []}
+
+def queued_s():
+    paths = (f"/proc/{daemon_pid}/task/{daemon_pid}/schedstat", "/proc/thread-self/schedstat")
+    return sum(int(open(path).read().split()[1]) for path in paths) / 1e9
+
 while not stop.is_set():
-    started = time.monotonic()
+    queued, started = queued_s(), time.monotonic()
     conn.request("GET", "/api/version")
     resp = conn.getresponse()
     resp.read()
-    took = time.monotonic() - started
+    raw_s = time.monotonic() - started
+    took = raw_s - (queued_s() - queued)
+    result["longest_raw_s"] = max(result["longest_raw_s"], raw_s)
     result["longest_s"], result["polls"] = max(result["longest_s"], took), result["polls"] + 1
     result["failed"] += resp.status != 200
     if took > bound_s:
@@ -153,8 +164,8 @@ print(json.dumps(result))
 """
 
 
-def start_poller(base_url: str, bound_s: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", POLLER, base_url.rsplit(":", 1)[1], str(bound_s)],
+def start_poller(base_url: str, bound_s: float, daemon_pid: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", POLLER, base_url.rsplit(":", 1)[1], str(bound_s), str(daemon_pid)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -297,7 +308,7 @@ async def run(args) -> dict:
             await loop_attack(session, base_url, attack, warm)
         probes_before = [await greedy_answer(session, base_url, p) for p in PROBES]
         rss_warm = await idle_rss(session, base_url, proc.pid)
-        poller = start_poller(base_url, args.max_stall_s)
+        poller = start_poller(base_url, args.max_stall_s, proc.pid)
         started = time.monotonic()
         sent = iter(range(args.requests) if args.requests else itertools.count())
 
@@ -330,7 +341,8 @@ async def run(args) -> dict:
             "rss_warm_bytes": rss_warm[0], "rss_after_bytes": rss_after[0], "rss_ratio": rss_ratio,
             "template_children_warm": rss_warm[1:], "template_children_after": rss_after[1:],
             "stalls": stalls, "probes_exact": probes_before == probes_after,
-            "passed": held == 0 and abs(rss_ratio - 1) <= args.rss_tolerance and probes_before == probes_after
+            # A leak grows; RSS can also shrink (the kernel reclaims file-backed pages of the weights).
+            "passed": held == 0 and rss_ratio - 1 <= args.rss_tolerance and probes_before == probes_after
             and counts["failed"] == 0 and counts["hostile_other"] == 0 and stalls["over"] == 0
             and stalls["failed"] == 0 and rss_after[2] <= MAX_TEMPLATE_CHILDREN}
 
@@ -359,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {result['rss_after_bytes'] / 2**20:.0f} MiB ({(result['rss_ratio'] - 1) * 100:+.1f}%); "
           f"probe answers exact: {result['probes_exact']}")
     st, (n_warm, n_after) = result["stalls"], (result["template_children_warm"], result["template_children_after"])
-    print(f"longest stall: {st['longest_s'] * 1000:.0f} ms over {st['polls']} polls of /api/version "
+    print(f"longest stall: {st['longest_s'] * 1000:.0f} ms ({st['longest_raw_s'] * 1000:.0f} ms with waits for a "
+          f"CPU) over {st['polls']} polls of /api/version "
           f"({st['over']} over {st['bound_s'] * 1000:.0f} ms, {st['failed']} failed); template children "
           f"{n_warm[1]} ({n_warm[0] / 2**20:.0f} MiB) -> {n_after[1]} ({n_after[0] / 2**20:.0f} MiB); "
           f"{'PASSED' if result['passed'] else 'FAILED'}")
