@@ -107,7 +107,7 @@ def chat_body(i: int, tokens: int) -> dict:
 
 def is_template_child(p: psutil.Process) -> bool:
     try:
-        return "gpushare.models.template_child" in " ".join(p.cmdline())
+        return "gpushare.catalog.template_child" in " ".join(p.cmdline())
     except psutil.Error:
         return False
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.config import ConfigError, load_settings, parse_duration_s, parse_settings
-from gpushare.limit_settings import LimitSettings
+from gpushare.settings.settings import ConfigError, load_settings, parse_duration_s, parse_settings
+from gpushare.settings.limit_settings import LimitSettings
 
 SECRET = "plain-secret-123"
 

@@ -179,7 +179,7 @@ def test_huge_token_id_prompts_are_refused(daemon, expected):
 
 def template_children(daemon) -> list[psutil.Process]:
     return [p for p in psutil.Process(daemon.proc.pid).children(recursive=True)
-            if "gpushare.models.template_child" in " ".join(p.cmdline())]
+            if "gpushare.catalog.template_child" in " ".join(p.cmdline())]
 
 
 def test_a_template_that_never_ends_stops_at_the_limit_and_when_its_client_leaves(daemon, expected):

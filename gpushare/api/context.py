@@ -1,4 +1,4 @@
-"""What every handler needs: the engine, the registry, the settings; and prompt encoding."""
+"""What every handler needs: the node's devices, the registry, the settings; and prompt encoding."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gpushare.config import Settings
+from gpushare.settings.settings import Settings
+from gpushare.residency.node_devices import NodeDevices
 from gpushare.residency.registry import Registry
 
 
 @dataclass
 class ApiContext:
-    engine: object  # every device's engine as one (residency/node_engines.NodeEngines): node-wide stats
+    node: NodeDevices  # every device's engine as one: node-wide stats, tenant policies, liveness
     registry: Registry
     settings: Settings  # replaced whole by a config reload (SIGHUP)
     started_at: float = field(default_factory=time.time)
@@ -23,6 +24,7 @@ class ApiContext:
     engine_stall_s: float = 30.0  # /health fails once the engine loop has been silent this long
     tenants: object = None  # gpushare.api.tenants.TenantGate, set by build_app
     supervisor: object = None  # gpushare.residency.device_supervisor.DeviceSupervisor: the engine workers
+    pulls: object = None  # gpushare.catalog.pull.Pulls: the pulls under way, set by build_app
 
 
 CONTEXT = web.AppKey("gpushare", ApiContext)
@@ -33,8 +35,8 @@ def context(request: web.Request) -> ApiContext:
 
 
 async def off_loop(fn, *args):
-    """``fn(*args)`` in the default thread pool: templating and tokenising a long prompt must not
-    hold the event loop (other requests' streams, /health) meanwhile."""
+    """``fn(*args)`` in the default thread pool: reading a model file must not hold the event loop.
+    A request's own work (parsing, schemas, templating, tokenising) goes through api/work.bounded."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from gpushare.api import template_runner
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
-from gpushare.model_options import ModelPreset
 from gpushare.api.work import WorkBudget
-from gpushare.models.chat_template import TemplateError
+from gpushare.catalog.chat_template import TemplateError
+from gpushare.settings.model_options import ModelPreset
 
 
 def with_model_options(body: dict, preset: ModelPreset) -> dict:

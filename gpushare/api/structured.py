@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from gpushare.api.errors import bad_request
-from gpushare.engine.constraints import SchemaError, StructuredOutput, check_schema
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 
 def _checked(schema, param: str, limits) -> StructuredOutput:

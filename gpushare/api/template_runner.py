@@ -2,7 +2,7 @@
 
 A model's chat template is code from a model file. Jinja2's sandbox keeps it from reaching out,
 not from looping for ever or growing a string without end, and a thread cannot be stopped. So the
-supervisor renders in child processes (gpushare/models/template_child.py, torch-free), at most one
+supervisor renders in child processes (gpushare/catalog/template_child.py, torch-free), at most one
 per work thread (api/work.py), each rendering one template at a time. A render ends:
 - with its text, at most ``WorkBudget.max_template_chars`` characters;
 - at the request's deadline (``limits.work_timeout``), stopped by the child itself, or else killed;
@@ -20,11 +20,11 @@ import threading
 from collections import OrderedDict
 
 from gpushare.api.work import WorkBudget, WorkStopped
-from gpushare.models.chat_template import TemplateError
+from gpushare.catalog.chat_template import TemplateError
 
 POLL_S = 0.05  # how often a waiting render looks whether its client has left
 KILL_GRACE_S = 0.5  # past the deadline, how long the child has to stop itself before it is killed
-CHILD = [sys.executable, "-m", "gpushare.models.template_child"]
+CHILD = [sys.executable, "-m", "gpushare.catalog.template_child"]
 
 _idle: list[subprocess.Popen] = []
 _lock = threading.Lock()

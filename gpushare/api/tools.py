@@ -22,8 +22,8 @@ from gpushare.api.model_defaults import encode_with_template
 from gpushare.api.errors import bad_request
 from gpushare.api.limits import check_count, check_prompt_chars
 from gpushare.api.work import WorkBudget
-from gpushare.engine.constraints import SchemaError, StructuredOutput, check_schema
-from gpushare.models.chat_template import TemplateError
+from gpushare.catalog.chat_template import TemplateError
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_STARTS = ("{", "[", "<tool_call>")  # how a reply that is a tool call begins
