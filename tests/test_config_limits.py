@@ -1,6 +1,8 @@
 """Config for the hardening: `limits:`, `server.origins`, `server.min_keep_alive`, finite durations,
 and errors that never show a tenant's secret (they reach the journal and systemd's STATUS line)."""
 
+from pathlib import Path
+
 import pytest
 
 from gpushare.settings.settings import ConfigError, load_settings, parse_duration_s, parse_settings
@@ -15,7 +17,17 @@ def test_limits_default_and_override():
     assert (s.limits.max_stop_strings, s.limits.max_embed_tokens, s.limits.max_messages) == (64, 300000, 1024)
 
 
+def test_limits_with_units_and_the_reference_config_documents_the_defaults():
+    s = parse_settings({"limits": {"max_body_bytes": "1MiB", "work_timeout": "1.5s", "max_tools": 8}}, env={})
+    assert (s.limits.max_body_bytes, s.limits.work_timeout_s, s.limits.max_tools) == (1 << 20, 1.5, 8)
+    reference = Path(__file__).parent.parent / "configs" / "reference.yaml"
+    assert load_settings(reference).limits == LimitSettings()
+
+
 @pytest.mark.parametrize("raw, message", [
+    ({"limits": {"work_timeout": "0s"}}, "limits.work_timeout: must be a positive duration"),
+    ({"limits": {"work_timeout_s": 3}}, "limits.work_timeout_s: unknown key"),
+    ({"limits": {"max_body_bytes": "lots"}}, "limits.max_body_bytes: must be a size like 512MiB"),
     ({"limits": {"max_stop_strings": 0}}, "limits.max_stop_strings: must be a positive integer, got 0"),
     ({"limits": {"max_prompt": 5}}, "limits.max_prompt: unknown key"),
     ({"server": {"origins": [""]}}, "server.origins: must be a list of origins"),

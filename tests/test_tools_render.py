@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gpushare.api.tools import (ReplyFilter, ToolSpec, parse_calls, render_messages, template_handles_tools)
+from gpushare.api.work import WorkBudget
 from gpushare.catalog.gguf_reader import read_gguf_file
 from gpushare.catalog.model_head import LoadedModel
 from gpushare.catalog.tokenizer import tokenizer_from_gguf
@@ -39,6 +40,11 @@ def gguf_meta(smollm2_path):
     return read_gguf_file(smollm2_path)[0]
 
 
+def budget() -> WorkBudget:
+    """Ten seconds for the template children (api/template_runner.py) to answer in."""
+    return WorkBudget.starting_now(10, 1 << 20)
+
+
 def model_with(meta, template):
     """A LoadedModel as far as prompts go: SmolLM2's tokenizer and the given template (no weights)."""
     return LoadedModel(name_or_path="smollm2", config=None, model=None, tokenizer=tokenizer_from_gguf(meta),
@@ -47,8 +53,8 @@ def model_with(meta, template):
 
 def test_a_template_with_tools_renders_them_and_the_history(gguf_meta):
     model = model_with(gguf_meta, HERMES_TEMPLATE)
-    assert template_handles_tools(model)
-    messages, extra = render_messages(model, HISTORY, ToolSpec([WEATHER]))
+    assert template_handles_tools(model, budget())
+    messages, extra = render_messages(model, HISTORY, ToolSpec([WEATHER]), budget())
     text = model.render_chat(messages, **extra)
     assert json.dumps(WEATHER, ensure_ascii=False) in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
@@ -57,8 +63,8 @@ def test_a_template_with_tools_renders_them_and_the_history(gguf_meta):
 
 def test_smollm2_template_gets_the_fallback(gguf_meta):
     model = model_with(gguf_meta, gguf_meta["tokenizer.chat_template"])
-    assert not template_handles_tools(model)
-    messages, extra = render_messages(model, HISTORY, ToolSpec([WEATHER]))
+    assert not template_handles_tools(model, budget())
+    messages, extra = render_messages(model, HISTORY, ToolSpec([WEATHER]), budget())
     assert extra == {}
     text = model.render_chat(messages)
     assert text.startswith("<|im_start|>system\nYou can call the following tools")
@@ -69,7 +75,7 @@ def test_smollm2_template_gets_the_fallback(gguf_meta):
 
 def test_tool_choice_none_offers_no_tools(gguf_meta):
     model = model_with(gguf_meta, gguf_meta["tokenizer.chat_template"])
-    messages, _ = render_messages(model, HISTORY[:1], ToolSpec([WEATHER], choice="none"))
+    messages, _ = render_messages(model, HISTORY[:1], ToolSpec([WEATHER], choice="none"), budget())
     assert messages == HISTORY[:1]
 
 

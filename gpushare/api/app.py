@@ -11,15 +11,14 @@ from gpushare.api.errors import error_middleware
 from gpushare.api.tenants import apply_tenant_settings, tenant_middleware
 from gpushare.catalog.pull import Pulls
 
-MAX_BODY_BYTES = 64 << 20  # long prompts and embedding batches, not uploads
-
-
 def build_app(ctx: ApiContext) -> web.Application:
     # Outermost first: metrics sees the final status; a foreign page is turned away, and a browser's
     # preflight answered, before anything else; draining answers 503 before a key is asked for.
     middlewares = [metrics.metrics_middleware, error_middleware, browser_middleware, health.drain_middleware,
                    tenant_middleware]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    # Bodies are read by api/fields.read_json_object against limits.max_body_bytes as it is now (a
+    # reload may change it); aiohttp's own cap is for any other read, at the limit of the start.
+    app = web.Application(middlewares=middlewares, client_max_size=ctx.settings.limits.max_body_bytes)
     app.on_response_prepare.append(add_cors_headers)
     app[CONTEXT] = ctx
     apply_tenant_settings(ctx, ctx.settings)

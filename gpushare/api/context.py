@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from gpushare.api.errors import bad_request
 from gpushare.settings.settings import Settings
 from gpushare.residency.node_devices import NodeDevices
 from gpushare.residency.registry import Registry
@@ -36,24 +35,16 @@ def context(request: web.Request) -> ApiContext:
 
 
 async def off_loop(fn, *args):
-    """``fn(*args)`` in the default thread pool: templating and tokenising a long prompt must not
-    hold the event loop (other requests' streams, /health) meanwhile."""
+    """``fn(*args)`` in the default thread pool: reading a model file must not hold the event loop.
+    A request's own work (parsing, schemas, templating, tokenising) goes through api/work.bounded."""
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 # Prompts are encoded exactly as the offline LLM API does (gpushare/llm.py), so that a
-# greedy answer through HTTP equals LLM.generate / LLM.chat for the same input.
+# greedy answer through HTTP equals LLM.generate / LLM.chat for the same input (chats:
+# api/model_defaults.encode_with_template).
 
 def encode_text(model, text: str) -> list[int]:
     """A raw completion prompt: BOS added when the model asks for it."""
     return model.tokenizer.encode(text, add_special_tokens=True)
 
-
-def encode_chat(model, messages: list[dict], **extra) -> list[int]:
-    """A conversation through the model's chat template (which writes its own special tokens);
-    ``extra``: more template variables (``tools``)."""
-    try:
-        text = model.render_chat(messages, add_generation_prompt=True, **extra)
-    except ValueError as e:  # TemplateError: the template refused these messages
-        raise bad_request(str(e), param="messages") from None
-    return model.tokenizer.encode(text, add_special_tokens=False)

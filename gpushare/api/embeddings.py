@@ -13,11 +13,12 @@ import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, off_loop
+from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
+from gpushare.api.work import bounded
 from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 SERVES = {"chat": ("chat", "embed"), "embedding": ("embed",), "rerank": ("rerank",)}
@@ -109,7 +110,7 @@ async def _run(request: web.Request, model: str, keep_alive: float | None, count
         check_serves(lease.model, model, task)
         model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.node.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
-        token_lists, type_ids = await off_loop(tokenise, lease.model, limit)
+        token_lists, type_ids = await bounded(request, "tokenising the inputs", tokenise, lease.model, limit)
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
         check_count("input", timings.prompt_tokens, "tokens", "max_embed_tokens", limits)
         ticket.charge_tokens(timings.prompt_tokens, timings)

@@ -7,8 +7,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from gpushare.api.errors import bad_request
+from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, json_depth_over, limits_of
+from gpushare.api.work import bounded
 from gpushare.settings.settings import ConfigError, parse_duration_s
 from gpushare.settings.values import MAX_DURATION_S
 
@@ -25,12 +26,46 @@ _KINDS = {
 
 
 async def read_json_object(request: web.Request) -> dict:
-    """The body as a JSON object, or 400 saying why it is not one (nested too deep included)."""
-    raw = await request.read()
-    if not raw.strip():
+    """The body as a JSON object, or 4xx saying why it is not one (too big, too many values, nested too
+    deep). Parsed in the work pool (api/work.py), after a bound on its size and on its values."""
+    limits = limits_of(request)
+    chunks = await _read_body(request, limits.max_body_bytes)
+    body = await bounded(request, "parsing the request body", parse_json_object, chunks, limits)
+    request[JSON_BODY] = body
+    return body
+
+
+async def _read_body(request: web.Request, limit_bytes: int) -> list[bytes]:
+    """The body as it came, in pieces of at most 1 MiB (joined off the loop)."""
+    too_big = ApiError(413, f"request body is larger than the limit of {limit_bytes} bytes (limits.max_body_bytes)")
+    if request.content_length is not None and request.content_length > limit_bytes:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > limit_bytes:  # chunked, or a Content-Length that lied
+            raise too_big
+        chunks.append(chunk)
+    return chunks
+
+
+def parse_json_object(chunks: list[bytes], limits) -> dict:
+    """The body's pieces parsed, once its values are known to be few enough. The C parser holds the GIL
+    from start to end (the event loop waits meanwhile), so the body's "{", "[" and "," are counted
+    first, a piece at a time (the loop gets the GIL between pieces): every JSON value but the first
+    needs one of them (those inside strings count too: an upper bound)."""
+    items = opening = 0
+    for chunk in chunks:
+        brackets = chunk.count(b"{") + chunk.count(b"[")
+        opening += brackets
+        items += brackets + chunk.count(b",")
+        if items > limits.max_json_items:
+            raise bad_request(f"request body has more than {limits.max_json_items} JSON objects, arrays and commas, "
+                              f"the limit (limits.max_json_items)")
+    raw = b"".join(chunks)
+    if not raw or raw.isspace():
         raise bad_request("request body is empty; expected a JSON object")
-    max_depth = limits_of(request).max_json_depth
-    too_deep = bad_request(f"request body nests JSON deeper than the limit of {max_depth} levels "
+    too_deep = bad_request(f"request body nests JSON deeper than the limit of {limits.max_json_depth} levels "
                            f"(limits.max_json_depth)")
     try:
         body = json.loads(raw)
@@ -40,9 +75,8 @@ async def read_json_object(request: web.Request) -> dict:
         raise too_deep from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {_json_type(body)}")
-    if json_depth_over(body, max_depth):
+    if opening > limits.max_json_depth and json_depth_over(body, limits.max_json_depth):  # else it cannot be
         raise too_deep
-    request[JSON_BODY] = body
     return body
 
 

@@ -10,13 +10,12 @@ keeps the 400.
 
 from __future__ import annotations
 
-import functools
-
-from gpushare.api.context import encode_chat
+from gpushare.api import template_runner
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
+from gpushare.api.work import WorkBudget
+from gpushare.catalog.chat_template import TemplateError
 from gpushare.settings.model_options import ModelPreset
-from gpushare.catalog import chat_template
 
 
 def with_model_options(body: dict, preset: ModelPreset) -> dict:
@@ -34,21 +33,18 @@ def chat_with_presets(preset: ModelPreset, messages: list[dict]) -> list[dict]:
     return out
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(source: str):
-    return chat_template.compile_template(source)
-
-
-def encode_with_template(model, messages: list[dict], template: str | None, **extra) -> list[int]:
-    """Token ids of a chat through `template` (a preset's TEMPLATE), else the model file's own; ``extra``:
-    more template variables (``tools``)."""
-    if template is None:
-        return encode_chat(model, messages, **extra)
+def encode_with_template(model, messages: list[dict], template: str | None, budget: WorkBudget,
+                         **extra) -> list[int]:
+    """Token ids of a chat through `template` (a preset's TEMPLATE), else the model file's own, rendered in a
+    child process within ``budget`` (api/template_runner.py); ``extra``: more template variables (``tools``).
+    Rendered as the offline LLM API renders (model_head.render_chat), so that greedy answers are equal."""
+    source = template if template is not None else model.template_source
     try:
-        text = chat_template.render(_compiled(template), messages, model.tokenizer.bos_token,
-                                    model.tokenizer.eos_token, add_generation_prompt=True, **extra)
-    except ValueError as e:  # TemplateError
-        raise bad_request(f"the model's TEMPLATE failed on these messages: {e}", param="messages") from None
+        text = template_runner.render(budget, source, messages, model.tokenizer.bos_token, model.tokenizer.eos_token,
+                                      **extra)
+    except TemplateError as e:  # the template refused these messages, failed, or wrote too much
+        message = f"the model's TEMPLATE failed on these messages: {e}" if template is not None else str(e)
+        raise bad_request(message, param="messages") from None
     return model.tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -21,7 +21,7 @@ import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_text, off_loop
+from gpushare.api.context import context, encode_text
 from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
@@ -36,6 +36,7 @@ from gpushare.api.structured import ollama_format
 from gpushare.api.tenants import admit, check_keep_alive, check_model
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 parse_calls, parse_tools)
+from gpushare.api.work import bounded, budget_of
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
@@ -136,14 +137,16 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
 
 async def _generate(request: web.Request, body: dict, model: str, make_prompt, chat: bool,
                     tools: ToolSpec | None = None) -> web.StreamResponse:
-    """Run one generation; `make_prompt(loaded_model, preset, room)` -> token ids (room: the most tokens the
-    request may hold); ``chat``: answer as a message. The model's preset options sit under the request's."""
+    """Run one generation; `make_prompt(loaded_model, preset, room, budget)` -> token ids (room: the most tokens
+    the request may hold; budget: its WorkBudget, for the chat template), run in the work pool; ``chat``:
+    answer as a message. The model's preset options sit under the request's."""
     sampling_from_options(body, limits_of(request))  # the request's own options: a 400 before a slot is taken
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
     stream = field(body, "stream", "boolean", True)
     tools = tools or ToolSpec()
-    structured = forced_output(tools) or ollama_format(body)
+    structured = forced_output(tools) or await bounded(request, "checking the format schema", ollama_format, body,
+                                                       limits_of(request))
     top_logprobs = logprobs_requested(body)
     ctx = context(request)
     timings = Timings()
@@ -154,7 +157,8 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
         room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
-        prompt_ids = await off_loop(make_prompt, lease.model, preset, room)
+        prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
+                                   lease.model, preset, room, budget_of(request))
         params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
@@ -223,12 +227,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt:
         return await _load_or_unload(request, model, keep_alive_s(body), {"response": ""})
 
-    def make_prompt(loaded, preset, room):
+    def make_prompt(loaded, preset, room, budget):
         if raw:
             return encode_text(loaded, prompt)
         messages = chat_with_presets(preset, ([{"role": "system", "content": system}] if system else [])
                                      + [{"role": "user", "content": prompt}])
-        return encode_with_template(loaded, messages, preset.template)
+        return encode_with_template(loaded, messages, preset.template, budget)
 
     return await _generate(request, body, model, make_prompt, chat=False)
 
@@ -237,15 +241,16 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     model = required_string(body, "model")
     reject_unsupported(body, UNSUPPORTED)
-    messages = parse_messages(body, limits_of(request))
-    tools = parse_tools(body)
+    limits = limits_of(request)
+    messages = await bounded(request, "reading the messages", parse_messages, body, limits)
+    tools = await bounded(request, "checking the tools", parse_tools, body, limits, messages)
     if not messages:
         return await _load_or_unload(request, model, keep_alive_s(body),
                                      {"message": {"role": "assistant", "content": ""}})
     truncate = field(body, "truncate", "boolean", True)
 
-    def make_prompt(loaded, preset, room):
-        return fit_chat(lambda kept: encode_chat_with_tools(loaded, kept, tools, preset.template),
+    def make_prompt(loaded, preset, room, budget):
+        return fit_chat(lambda kept: encode_chat_with_tools(loaded, kept, tools, budget, preset.template),
                         chat_with_presets(preset, messages), room, truncate)
 
     return await _generate(request, body, model, make_prompt, chat=True, tools=tools)

@@ -17,11 +17,11 @@ import uuid
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_text, off_loop
+from gpushare.api.context import context, encode_text
 from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
-from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
+from gpushare.api.limits import check_count, check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
@@ -30,6 +30,7 @@ from gpushare.api.structured import openai_response_format
 from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
                                 new_call_id, parse_calls, parse_tools)
 from gpushare.api.tenants import admit, check_model, visible
+from gpushare.api.work import bounded, budget_of
 from gpushare.residency.registry import ModelLoadError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -95,14 +96,18 @@ def parse_messages(body: dict, limits) -> list[dict]:
 
 
 def parse_prompt(body: dict, limits) -> str | list[int]:
+    """A text or token-id prompt; at most limits.max_prompt_chars characters, or token ids (each is
+    at least a character). Walks the ids: run it off the loop."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         check_prompt_chars([prompt], "prompt", limits)
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        check_count("prompt", len(prompt), "token ids", "max_prompt_chars", limits)
+        if all(set(map(type, prompt[i:i + 16384])) <= {int} for i in range(0, len(prompt), 16384)):
+            return prompt  # C loops of 16,384 ids, the event loop's turn between them; booleans are not ids
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request('"prompt": one prompt per request is supported, got a batch of '
                           f"{len(prompt)}", param="prompt")
@@ -128,7 +133,8 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
     n = _answers(body)
     values = sampling_values(body, limits_of(request))
     tools = tools or ToolSpec()
-    structured = forced_output(tools) or openai_response_format(body)
+    structured = forced_output(tools) or await bounded(request, "checking the response_format schema",
+                                                       openai_response_format, body, limits_of(request))
     top_logprobs = logprobs_requested(body) if chat else completion_requested(body)
     stream = field(body, "stream", "boolean", False)
     include_usage = stream and field(field(body, "stream_options", "object", {}), "include_usage", "boolean", False,
@@ -140,7 +146,8 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         preset = lease.entry.source.preset  # the model's options, system prompt, template (model_defaults.py)
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         fill_openai_values(values, preset, explicit)
-        prompt_ids = await off_loop(make_prompt, lease.model, preset)
+        prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
+                                   lease.model, preset, budget_of(request))
         params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
         # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
@@ -228,19 +235,20 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
-    messages = parse_messages(body, limits_of(request))
-    tools = parse_tools(body)
-    return await _complete(request, body, lambda model, preset: encode_chat_with_tools(
-        model, chat_with_presets(preset, messages), tools, preset.template), chat=True, tools=tools)
+    limits = limits_of(request)
+    messages = await bounded(request, "reading the messages", parse_messages, body, limits)
+    tools = await bounded(request, "checking the tools", parse_tools, body, limits, messages)
+    return await _complete(request, body, lambda model, preset, budget: encode_chat_with_tools(
+        model, chat_with_presets(preset, messages), tools, budget, preset.template), chat=True, tools=tools)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_object(request)
     reject_unsupported(body, {"tools": "is not supported on /v1/completions; use /v1/chat/completions",
                               "response_format": "is not supported on /v1/completions; use /v1/chat/completions"})
-    prompt = parse_prompt(body, limits_of(request))
+    prompt = await bounded(request, "reading the prompt", parse_prompt, body, limits_of(request))
 
-    def make_prompt(model, preset):  # a raw prompt: the model's system prompt and template do not apply
+    def make_prompt(model, preset, budget):  # a raw prompt: the model's system prompt and template do not apply
         return encode_text(model, prompt) if isinstance(prompt, str) else prompt
 
     # OpenAI's legacy completions default to 16 tokens.

@@ -1,14 +1,21 @@
 """Structured output requests in both dialects: Ollama's ``format`` and OpenAI's ``response_format``
-become a ``StructuredOutput`` (the engine constrains decoding to it); a bad or unenforceable schema
-is a 400 naming the field."""
+become a ``StructuredOutput`` (the engine constrains decoding to it); a bad or unenforceable schema,
+or one of more than ``limits.max_schema_chars`` characters of JSON, is a 400 naming the field.
+Checking a schema compiles it (a large one takes seconds): call these off the event loop."""
 
 from __future__ import annotations
+
+import json
 
 from gpushare.api.errors import bad_request
 from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 
-def _checked(schema, param: str) -> StructuredOutput:
+def _checked(schema, param: str, limits) -> StructuredOutput:
+    chars = len(json.dumps(schema))
+    if chars > limits.max_schema_chars:
+        raise bad_request(f'"{param}" is {chars} characters of JSON, more than the limit of {limits.max_schema_chars} '
+                          f'(limits.max_schema_chars)', param=param)
     try:
         check_schema(schema)
     except SchemaError as e:
@@ -16,7 +23,7 @@ def _checked(schema, param: str) -> StructuredOutput:
     return StructuredOutput(json_schema=schema)
 
 
-def ollama_format(body: dict) -> StructuredOutput | None:
+def ollama_format(body: dict, limits) -> StructuredOutput | None:
     """``format``: "" (none), "json" (any JSON object) or a JSON Schema object."""
     value = body.get("format")
     if value is None or value == "":
@@ -24,11 +31,11 @@ def ollama_format(body: dict) -> StructuredOutput | None:
     if value == "json":
         return StructuredOutput(json_object=True)
     if isinstance(value, dict):
-        return _checked(value, "format")
+        return _checked(value, "format", limits)
     raise bad_request('"format" must be "json" or a JSON Schema object', param="format")
 
 
-def openai_response_format(body: dict) -> StructuredOutput | None:
+def openai_response_format(body: dict, limits) -> StructuredOutput | None:
     """``response_format``: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}. The output is held to the schema either way: with
     a grammar, ``strict`` false would only allow less."""
@@ -55,4 +62,4 @@ def openai_response_format(body: dict) -> StructuredOutput | None:
         raise bad_request('"response_format.json_schema.strict" must be a boolean',
                           param="response_format.json_schema.strict")
     schema = spec.get("schema", {"type": "object"})
-    return _checked(schema, "response_format.json_schema.schema")
+    return _checked(schema, "response_format.json_schema.schema", limits)

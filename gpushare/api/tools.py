@@ -17,8 +17,12 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from gpushare.api import template_runner
 from gpushare.api.model_defaults import encode_with_template
 from gpushare.api.errors import bad_request
+from gpushare.api.limits import check_count, check_prompt_chars
+from gpushare.api.work import WorkBudget
+from gpushare.catalog.chat_template import TemplateError
 from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -49,14 +53,18 @@ class ToolSpec:
         return {t["function"]["name"] for t in self.tools}
 
 
-def parse_tools(body: dict) -> ToolSpec:
-    """``tools`` and ``tool_choice`` of either dialect; 400 naming the field that is wrong."""
+def parse_tools(body: dict, limits, messages: list[dict] = ()) -> ToolSpec:
+    """``tools`` and ``tool_choice`` of either dialect; 400 naming the field that is wrong, or the limit
+    passed: at most ``limits.max_tools`` tools, their parameters at most ``limits.max_schema_chars``
+    of JSON together, and the chat's texts (``messages``' contents and tool-call arguments, the tools'
+    descriptions) at most ``limits.max_prompt_chars``. Compiles every schema: run it off the loop."""
     raw = body.get("tools")
     if raw is None:
         raw = []
     if not isinstance(raw, list):
         raise bad_request('"tools" must be an array of tools', param="tools")
-    tools = []
+    check_count("tools", len(raw), "tools", "max_tools", limits)
+    tools, schema_chars = [], 0
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -71,15 +79,23 @@ def parse_tools(body: dict) -> ToolSpec:
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
-        try:
-            check_schema(call_schema(name, parameters))
-        except SchemaError as e:
-            raise bad_request(f'"{where}.function.parameters" {e}', param=where + ".function.parameters") from None
+        schema_chars += len(json.dumps(parameters))
+        if schema_chars > limits.max_schema_chars:
+            raise bad_request(f'"tools" have parameters of more than {limits.max_schema_chars} characters of JSON '
+                              f'together, the limit (limits.max_schema_chars), by {where}', param="tools")
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise bad_request(f'"{where}.function.description" must be a string', param=where + ".function.description")
         tools.append({"type": "function", "function": {"name": name, "description": description or "",
                                                        "parameters": parameters}})
+    check_prompt_chars(prompt_texts(messages, tools), "messages", limits)
+    for i, tool in enumerate(tools):  # compiled once all is known to be within bounds
+        function = tool["function"]
+        try:
+            check_schema(call_schema(function["name"], function["parameters"]))
+        except SchemaError as e:
+            where = f"tools[{i}].function.parameters"
+            raise bad_request(f'"{where}" {e}', param=where) from None
     spec = ToolSpec(tools)
     choice = body.get("tool_choice")
     if choice is None:
@@ -97,6 +113,17 @@ def parse_tools(body: dict) -> ToolSpec:
     if spec.choice in ("required", "named") and not tools:
         raise bad_request(f'"tool_choice" {choice!r} needs "tools"', param="tool_choice")
     return spec
+
+
+def prompt_texts(messages: list[dict], tools: list[dict]):
+    """Every text of a chat that reaches its prompt: contents, tool-call arguments (as the JSON they are
+    written in), the tools' descriptions."""
+    for m in messages:
+        yield m["content"]
+        for call in m.get("tool_calls", ()):
+            yield json.dumps(call["function"]["arguments"])
+    for tool in tools:
+        yield tool["function"]["description"]
 
 
 def call_schema(name: str, parameters: dict) -> dict:
@@ -149,13 +176,13 @@ def message_tool_fields(m: dict, where: str) -> dict:
     return out
 
 
-def template_handles_tools(model) -> bool:
-    """Whether the model's chat template renders a ``tools`` variable at all."""
-    probe = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {}}}
+def template_handles_tools(model, budget: WorkBudget, template: str | None = None) -> bool:
+    """Whether the chat template (``template``, a preset's, else the model's own) renders a ``tools``
+    variable at all; asked of a template child within ``budget``."""
+    source = template if template is not None else model.template_source
     try:
-        return model.render_chat(probe, tools=[tool]) != model.render_chat(probe)
-    except ValueError:
+        return template_runner.handles_tools(budget, source, model.tokenizer.bos_token, model.tokenizer.eos_token)
+    except TemplateError:
         return False
 
 
@@ -179,20 +206,22 @@ def fallback_messages(messages: list[dict], spec: ToolSpec) -> list[dict]:
     return out
 
 
-def render_messages(model, messages: list[dict], spec: ToolSpec) -> tuple[list[dict], dict]:
+def render_messages(model, messages: list[dict], spec: ToolSpec, budget: WorkBudget,
+                    template: str | None = None) -> tuple[list[dict], dict]:
     """(messages, extra template variables) to render this conversation with its tools."""
     needs_tools = spec.active or any(m.get("tool_calls") for m in messages)
     if not needs_tools:
         return messages, {}
-    if template_handles_tools(model):
+    if template_handles_tools(model, budget, template):
         return messages, ({"tools": spec.tools} if spec.active else {})
     return fallback_messages(messages, spec), {}
 
 
-def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, template: str | None = None) -> list[int]:
+def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, budget: WorkBudget,
+                           template: str | None = None) -> list[int]:
     """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own."""
-    messages, extra = render_messages(model, messages, spec)
-    return encode_with_template(model, messages, template, **extra)
+    messages, extra = render_messages(model, messages, spec, budget, template)
+    return encode_with_template(model, messages, template, budget, **extra)
 
 
 # ---------------------------------------------------------------------------- the reply

@@ -39,14 +39,35 @@ def compile_template(source: str | None):
 
 
 def render(template, messages: list[dict], bos_token: str | None, eos_token: str | None,
-           add_generation_prompt: bool = True, **extra) -> str:
+           add_generation_prompt: bool = True, max_chars: int | None = None, **extra) -> str:
+    """The prompt text; with ``max_chars``, TemplateError as soon as the template has written more."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise TemplateError(f"messages[{i}] must be an object with a 'role'")
+    variables = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token or "",
+                     eos_token=eos_token or "", **extra)
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token or "", eos_token=eos_token or "", **extra)
+        if max_chars is None:
+            return template.render(**variables)
+        parts, written = [], 0
+        for part in template.generate(**variables):
+            written += len(part)
+            if written > max_chars:
+                raise TemplateError(f"the chat template wrote more than {max_chars} characters")
+            parts.append(part)
+        return "".join(parts)
     except TemplateError:
         raise
     except jinja2.TemplateError as e:
         raise TemplateError(f"chat template failed: {e}") from e
+
+
+def handles_tools(template, bos_token: str | None, eos_token: str | None) -> bool:
+    """Whether the template renders a ``tools`` variable at all."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {}}}
+    try:
+        return render(template, probe, bos_token, eos_token, tools=[tool]) != render(template, probe, bos_token,
+                                                                                    eos_token)
+    except ValueError:
+        return False

@@ -109,14 +109,15 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: ModelLi
         raise RequestError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}", "priority")
     if not prompt_ids:
         raise RequestError("the prompt is empty", "prompt")
-    if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_ids):
-        raise RequestError(f"the prompt has token ids outside the vocabulary [0, {limits.vocab_size})", "prompt")
     if params.n > limits.max_num_seqs:
         raise RequestError(f"n must be at most engine.max_num_seqs ({limits.max_num_seqs}), got {params.n}", "n")
     context = usable_context(limits, num_ctx, tenant_limit_bytes)
     if len(prompt_ids) >= context:
         raise RequestError(f"the prompt is {len(prompt_ids)} tokens, and the usable context is {context} tokens "
                            f"({_context_parts(limits, num_ctx, tenant_limit_bytes, tenant)})", "prompt")
+    # Walked only once its length is known to fit: the caller's thread (the daemon's event loop) waits.
+    if any(not isinstance(t, int) or not 0 <= t < limits.vocab_size for t in prompt_ids):
+        raise RequestError(f"the prompt has token ids outside the vocabulary [0, {limits.vocab_size})", "prompt")
     room = context - len(prompt_ids)
     max_tokens = params.max_tokens
     if max_tokens is None or (clip and max_tokens > room):
