@@ -128,7 +128,7 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
     config = lease.model.config
     limits = model_limits(config.context_length, config.vocab_size, model_stats, stats.max_num_seqs)
-    return limits, tenant_limit_bytes(engine.tenant_policies if policies is None else policies, tenant, limits)
+    return limits, tenant_limit_bytes(device.tenant_policies if policies is None else policies, tenant, limits)
 
 
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
