@@ -8,7 +8,7 @@ top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last
 tokens only (repeat_last_n), a window this engine does not have. A model's own options,
 system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
 longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
-/api/copy are in api/ollama_models.py.
+/api/copy are in api/ollama_models.py, /api/pull and /api/blobs in api/ollama_pull.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text, off_loop
-from gpushare.api.embeddings import embed_texts
+from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
@@ -38,10 +38,6 @@ from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, f
                                 parse_calls, parse_tools)
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
-# What every model served here does: generate (every supported architecture is a causal LM), call
-# tools (through its template or the documented fallback, forced calls held to their schema by
-# constrained decoding: api/tools.py) and embed (mean-pooled hidden states, /api/embed).
-CAPABILITIES = ["completion", "tools", "embedding"]
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
@@ -149,6 +145,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
+        check_serves(lease.model, model, "chat")
         preset = lease.entry.source.preset
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
@@ -253,11 +250,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def embed(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    if body.get("dimensions"):
-        raise bad_request('"dimensions" is not supported', param="dimensions")
     texts = string_list(body, "input")
     truncate = field(body, "truncate", "boolean", True)
-    vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate)
+    vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate,
+                                   body.get("dimensions"))
     fields = t.ollama_fields()
     return web.json_response({"model": model, "embeddings": vectors, "total_duration": fields["total_duration"],
                               "load_duration": fields["load_duration"], "prompt_eval_count": t.prompt_tokens})
@@ -268,7 +264,9 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     model = required_string(body, "model")
     prompt = field(body, "prompt", "string", "")
-    vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body))
+    truncate = field(body, "truncate", "boolean", True)
+    vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body), truncate,
+                                   body.get("dimensions"))
     return web.json_response({"embedding": vectors[0] if vectors else []})
 
 
@@ -314,8 +312,8 @@ async def load(request: web.Request) -> web.StreamResponse:
 
 
 async def not_supported(request: web.Request) -> web.Response:
-    raise ApiError(501, f"{request.path} is not supported: gpushare serves local files; "
-                        f"register one with `gpushare create NAME --from PATH`")
+    raise ApiError(501, f"{request.path} is not supported: gpushare pulls models and serves local files, "
+                        f"it does not push them")
 
 
 def add_routes(app: web.Application) -> None:
@@ -326,5 +324,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/embed", embed)
     app.router.add_post("/api/embeddings", embeddings)
     app.router.add_post("/api/load", load)
-    for path in ("/api/pull", "/api/push"):
-        app.router.add_post(path, not_supported)
+    app.router.add_post("/api/push", not_supported)

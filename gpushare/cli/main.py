@@ -14,7 +14,7 @@ import sys
 import time
 
 from gpushare.cli.format import human_bytes, human_delta, parse_time, print_model_info, table
-from gpushare.cli.http_client import ApiFailure, DaemonUnreachable, call, load_with_progress
+from gpushare.cli.http_client import ApiFailure, DaemonUnreachable, call, load_with_progress, pull_with_progress
 from gpushare.cli.run import cmd_run
 from gpushare.settings.settings import ConfigError
 from gpushare.catalog.modelfile import ModelfileError, parse_modelfile
@@ -72,13 +72,13 @@ def cmd_ps(args) -> int:
         weights = f"{m.get('weights', '')} {m.get('kernel', '')}".strip()
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
-                     device, str(m.get("worker_pid") or ""), weights])
+                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", ""])
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", ""])
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
-                       "WORKER PID", "WEIGHTS"]))
+                       "WORKER PID", "KIND", "WEIGHTS"]))
     return 0
 
 
@@ -88,9 +88,10 @@ def cmd_list(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     now = time.time()
+    # KIND (chat, embedding, rerank) once the daemon has read the model's files; "-" before.
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now),
-             m.get("state", "")] for m in data["models"]]
-    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]))
+             (m.get("details") or {}).get("kind") or "-", m.get("state", "")] for m in data["models"]]
+    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "KIND", "STATE"]))
     for problem in data.get("skipped", []):
         print(f"skipped: {problem}", file=sys.stderr)
     return 0
@@ -165,6 +166,12 @@ def cmd_create(args) -> int:
 def cmd_cp(args) -> int:
     call("POST", "/api/copy", {"source": args.source, "destination": args.destination})
     print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    pull_with_progress(args.model, args.insecure)
+    print(f"pulled {args.model}")
     return 0
 
 
@@ -276,9 +283,20 @@ def _add_store_verbs(sub) -> None:
     p.add_argument("destination", metavar="DESTINATION")
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser("rm", help="remove models made by create",
+    p = sub.add_parser("pull", help="download a model from a registry",
+                       description="Download MODEL into the daemon's models directory (a content-addressed store: "
+                       "blobs shared between models, resumed after a cut) and make it available. MODEL is "
+                       "name[:tag] (Ollama's library), namespace/name[:tag], host[:port]/namespace/name[:tag] "
+                       "(that registry), or hf.co/USER/REPO[:QUANT] (Hugging Face: a GGUF quant, or a "
+                       "safetensors repo; $HF_ENDPOINT and $HF_TOKEN as the daemon sees them).")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--insecure", action="store_true", help="allow plain HTTP to the registry")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("rm", help="remove models made by create or pull",
                        description="Unload each NAME and remove its link or Modelfile from the models directory "
-                       "(the weights it points to are kept).")
+                       "(the weights it points to are kept), or a pulled model's manifest and the blobs no "
+                       "other model uses.")
     p.add_argument("names", metavar="NAME", nargs="+")
     p.set_defaults(func=cmd_rm)
 

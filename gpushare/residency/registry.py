@@ -23,7 +23,9 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+from gpushare.catalog.blob_store import drop_unused
 from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
@@ -191,13 +193,18 @@ class Registry:
         return source
 
     async def remove(self, name: str) -> None:
-        """Unload `name` and delete its models_dir link or .modelfile; config and Ollama-store models are refused."""
+        """Unload `name` and delete its models_dir link, .modelfile or pulled manifest (and the blobs no
+        other model uses); config and Ollama-store models are refused."""
         source = self.find(name)
         path = removable_file(source)
         await self.unload(source.name)
         for device in self.devices:
             self.residency.warm.take(self.residency.warm_key(source, device))
         os.unlink(path)
+        if source.origin == "pulled":
+            kept = {Path(s.path) for s in self.sources().values()}  # a link or config entry may name a blob
+            dropped = drop_unused(self.settings.models_dir, kept)
+            log.info("removed %s and %d files no other model uses", source.name, len(dropped))
 
     # ------------------------------------------------------------------ requests
 
@@ -320,8 +327,9 @@ class Registry:
     # ------------------------------------------------------------------ keep_alive
 
     def _on_loaded(self, entry: LoadedEntry) -> None:
+        info = {**entry.model.metadata, "kind": entry.model.kind}
         self._descriptions[entry.warm_key[0]] = describe_model(entry.model.config, entry.model.template_source,
-                                                               entry.model.metadata, entry.parameter_count)
+                                                               info, entry.parameter_count)
         entry.keep_alive_s = self.settings.server.keep_alive_s
         if entry.active == 0:  # every request that waited for it has left
             self._set_keep_alive(entry, None)
