@@ -16,7 +16,7 @@ import openai
 import pytest
 from daemon_fixture import MODEL, http, long_stream, serving, wait_for
 
-from gpushare import cli
+from gpushare.cli import main as cli
 from gpushare.api.context import ApiContext
 from gpushare.api.errors import ApiError
 from gpushare.api.tenants import apply_tenant_settings
