@@ -34,6 +34,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
     logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
     index: int = 0  # which of the request's ``n`` answers this is
+    scheduled_time_s: float | None = None  # time.monotonic() when its prompt first went into a batch
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     generator: torch.Generator | None = None
     first_token_time_s: float | None = None
+    scheduled_time_s: float | None = None  # its first admission into a batch: the end of its queue time
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as prefill chunks run, when asked for
     matcher: object | None = None  # the output grammar (gpushare.engine.constraints), when constrained
     last_logprobs: TokenLogprobs | None = None  # of the token sampled last, when params.logprobs asks
