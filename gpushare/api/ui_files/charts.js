@@ -32,7 +32,7 @@ function drawChart(canvas, series, nowS, fixedMax) {
   const style = getComputedStyle(document.body);
   const muted = style.getPropertyValue("--muted").trim() || "#888";
   const line = style.getPropertyValue("--line").trim() || "#ccc";
-  const left = 40, right = 6, top = 6, bottom = 16;
+  const left = 40, right = 14, top = 6, bottom = 16;
   let top_value = 0;
   for (const s of series) for (const [, v] of s.points) if (v !== null && v > top_value) top_value = v;
   const maxValue = fixedMax || niceMax(top_value);
@@ -48,20 +48,23 @@ function drawChart(canvas, series, nowS, fixedMax) {
     ctx.textAlign = "right"; ctx.textBaseline = "middle";
     ctx.fillText(formatTick(v), left - 4, py);
   }
-  ctx.textAlign = "center"; ctx.textBaseline = "top";
+  ctx.textBaseline = "top";
   for (const ago of [300, 240, 180, 120, 60, 0]) {
-    ctx.fillText(ago ? `-${ago / 60}m` : "now", x(nowS - ago), height - bottom + 3);
+    ctx.textAlign = ago ? "center" : "right";
+    ctx.fillText(ago ? `-${ago / 60}m` : "now", ago ? x(nowS - ago) : width, height - bottom + 3);
   }
   series.forEach((s, i) => {
     ctx.strokeStyle = CHART_COLOURS[i % CHART_COLOURS.length];
     ctx.lineWidth = 1.5;
     ctx.beginPath();
-    let drawing = false;
-    for (const [t, v] of s.points) {
-      if (v === null || nowS - t > CHART_WINDOW_S) { drawing = false; continue; }
-      if (drawing) ctx.lineTo(x(t), y(v)); else ctx.moveTo(x(t), y(v));
-      drawing = true;
-    }
+    const points = s.points.filter(([t]) => nowS - t <= CHART_WINDOW_S);
+    points.forEach(([t, v], j) => {
+      if (v === null) return;
+      const joined = j > 0 && points[j - 1][1] !== null;
+      if (joined) ctx.lineTo(x(t), y(v)); else ctx.moveTo(x(t), y(v));
+      const alone = !joined && (j + 1 >= points.length || points[j + 1][1] === null);
+      if (alone) ctx.rect(x(t) - 1, y(v) - 1, 2, 2);  // a lone sample still shows
+    });
     ctx.stroke();
   });
   if (series.length > 1) {

@@ -130,7 +130,8 @@ function renderDevices(devices) {
       item.append(el("span", "swatch seg " + cls), `${names[cls]} ${fmtBytes(bytes)}`);
       legend.appendChild(item);
     }
-    legend.appendChild(el("span", "muted", `of memory.budget ${fmtBytes(d.budget_bytes)}, ${d.models} models`));
+    const models = `${d.models} model${d.models === 1 ? "" : "s"}`;
+    legend.appendChild(el("span", "muted", `of memory.budget ${fmtBytes(d.budget_bytes)}, ${models}`));
     card.append(head, bar(parts, d.budget_bytes), legend);
     box.appendChild(card);
   }
@@ -141,7 +142,7 @@ function modelCells(m, nowS) {
   const expiry = !loaded ? "" : m.expires_at !== null ? fmtUntil(m.expires_at, nowS)
     : m.keep_alive_s < 0 ? "never" : "in use";
   const state = m.state === "loading" ? `loading ${Math.round(100 * m.load_progress)}%` : m.state;
-  return [m.name, m.device || "", state, fmtBytes(m.size_bytes),
+  return [m.name, m.device || "", state, [fmtBytes(m.size_bytes), ""],
           loaded ? [`${m.kv_blocks_used} / ${m.kv_blocks_total}`, "num"] : "",
           loaded ? m.running : "", loaded ? m.queued : "", loaded ? [fmtRate(m.tokens_per_s), "num"] : "", expiry];
 }
@@ -167,9 +168,9 @@ function renderTenants(status) {
   const page = status.tenants;
   $("tenants-count").textContent = countText(page);
   syncRows($("tenants").tBodies[0], page.rows, (t) => t.name, (t) => {
-    const ceiling = t.kv_limit_bytes || t.kv_reserved_bytes || t.kv_used_bytes;
+    const ceiling = t.kv_limit_bytes || t.kv_reserved_bytes;  // neither: nothing to hold it against
     return [t.name, [fmtBytes(t.kv_used_bytes), "num"], [fmtBytes(t.kv_reserved_bytes), "num"],
-            [fmtBytes(t.kv_limit_bytes), "num"], bar([["kv", t.kv_used_bytes]], ceiling, true),
+            [fmtBytes(t.kv_limit_bytes), "num"], ceiling ? bar([["kv", t.kv_used_bytes]], ceiling, true) : "",
             t.running, t.queued, t.rejected_last_minute];
   });
   renderPager("tenants-pager", view.tenants, page);
