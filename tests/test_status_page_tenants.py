@@ -110,3 +110,27 @@ def test_ten_thousand_models_list_a_page_at_a_time_and_html_stays_text(page, dae
     assert [cells[0] for cells in table_rows(page, "catalog")] == [HTML_NAME]
     assert page.find_elements(By.CSS_SELECTOR, "#catalog img") == []
     assert page.execute_script("return window.pwned === undefined")
+
+
+def test_the_status_json_follows_the_ps_rules(daemon):
+    """What the page reads, without a browser: the same rules as /api/ps."""
+    def status(key: str | None, query: str = ""):
+        return http("GET", daemon.url + "/api/status" + query, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    code, body, _ = status(None)
+    assert code == 401 and "missing API key" in body["error"]
+    code, body, headers = status(ALICE_KEY)
+    assert code == 200 and headers["Cache-Control"] == "no-store"
+    assert [t["name"] for t in body["tenants"]["rows"]] == ["alice"] and body["tenants"]["total"] == 1
+    assert "devices" not in body and "history" not in body and not body["admin"]
+    assert [m["name"] for m in body["models"]["rows"]] == [MODEL]
+    code, body, _ = status(ADMIN_KEY, "?tenant_filter=T09&tenant_offset=50")
+    assert code == 200 and body["admin"] and body["devices"][0]["device"] == "cpu"
+    page = body["tenants"]
+    assert (page["total"], page["matching"], page["offset"]) == (MANY_TENANTS + 2, 100, 50)
+    assert [t["name"] for t in page["rows"]] == [f"t{i:04d}" for i in range(950, 1000)]
+    assert all(s["t"] > 0 for s in body["history"])
+    since = body["history"][-1]["t"]
+    assert all(s["t"] > since for s in status(ADMIN_KEY, f"?since={since}")[1]["history"])
+    code, body, _ = status(ADMIN_KEY, "?model_offset=x")
+    assert code == 400 and '"model_offset" must be a whole number' in body["error"]
