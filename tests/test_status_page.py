@@ -33,6 +33,13 @@ def scrape(daemon) -> dict[tuple, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def device_card(driver, device: str) -> dict[str, str]:
+    """The device's card as {class name: its text}, read at one instant (cards are redrawn every second)."""
+    return driver.execute_script("const card = document.querySelector(`.device[data-device='${arguments[0]}']`);"
+                                 "return Object.fromEntries([...card.querySelectorAll('[class]')]"
+                                 ".map(e => [e.className, e.innerText.trim()]))", device)
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path):
     models = [{"name": MODEL, "path": smollm2_path, "preload": True}, {"name": SPARE, "path": smollm2_path}]
@@ -57,20 +64,23 @@ def test_the_page_shows_what_api_ps_and_metrics_say(page, daemon, tmp_path):
     assert int(m[("gpushare_kv_blocks_total", ("model", MODEL))]) == ps["kv_blocks_total"]
     assert row["Size"] == fmt_bytes(ps["size"]) and row["Running"] == "0" and row["Queued"] == "0"
     assert row["Keep-alive ends"].startswith("in ")  # keep_alive 5m, counting down
-    card = page.find_element(By.CSS_SELECTOR, '.device[data-device="cpu"]')
-    assert card.find_element(By.CLASS_NAME, "pid").text == f"pid {ps['worker_pid']}"
-    assert card.find_element(By.CLASS_NAME, "healthy").text == "healthy"
-    assert m[("gpushare_device_healthy", ("device", "cpu"))] == 1
+    card = device_card(page, "cpu")
+    assert card["pid"] == f"pid {ps['worker_pid']}"
+    assert card["healthy"] == "healthy" and m[("gpushare_device_healthy", ("device", "cpu"))] == 1
     restarts = int(m[("gpushare_device_worker_restarts_total", ("device", "cpu"))])
-    assert card.find_element(By.CLASS_NAME, "restarts").text == f"{restarts} restarts"
-    assert card.find_element(By.CLASS_NAME, "legend-weights").text == f"weights {fmt_bytes(ps['weight_bytes'])}"
+    assert card["restarts"] == f"{restarts} restarts"
+    assert card["legend-weights"] == f"weights {fmt_bytes(ps['weight_bytes'])}"
     assert [cells[0] for cells in table_rows(page, "tenants")] == ["default"]
     screenshot(page, "status-page-idle", tmp_path)
 
 
 def test_the_page_follows_a_generation_as_it_runs(page, daemon, tmp_path):
+    ttft_before_s = scrape(daemon).get(("gpushare_time_to_first_token_seconds_sum", ("model", MODEL),
+                                        ("tenant", "default")), 0.0)
     conn = long_stream(daemon)  # runs until closed
     try:
+        # Its first token came just now: the TTFT chart's p50 and p99 (last 10 s) are that one request's.
+        shown = wait_until(page, lambda: (t := page.find_element(By.ID, "now-ttft").text) and "–" not in t and t)
         row = wait_until(page, lambda: (r := model_row(page, MODEL)) and r["Running"] == "1" and
                          float(r["Tokens/s"]) > 0 and r)
         first_used = int(row["KV blocks"].split(" / ")[0])
@@ -84,6 +94,10 @@ def test_the_page_follows_a_generation_as_it_runs(page, daemon, tmp_path):
     finally:
         conn.close()
     wait_until(page, lambda: model_row(page, MODEL)["Running"] == "0")
+    p50, p99 = (float(v) for v in shown.split(" / "))
+    ttft_s = wait_for(lambda: scrape(daemon).get(("gpushare_time_to_first_token_seconds_sum", ("model", MODEL),
+                                                  ("tenant", "default"))), 10) - ttft_before_s
+    assert p50 == p99 == pytest.approx(ttft_s, abs=0.0005)  # /metrics counts it once the request ends
 
 
 def test_load_and_unload_buttons_ask_first(page, daemon):
@@ -105,7 +119,9 @@ def test_load_and_unload_buttons_ask_first(page, daemon):
     unload.click()
     wait_until(page, lambda: page.switch_to.alert).accept()
     assert wait_for(lambda: SPARE not in daemon.loaded(), 30, 0.5)
-    wait_until(page, lambda: model_row(page, SPARE) is None)
+    # Unloaded, it stays built in host memory (memory.host_cache): listed as warm, with no Unload button.
+    wait_until(page, lambda: (r := model_row(page, SPARE)) and r["State"] == "warm")
+    assert page.find_elements(By.CSS_SELECTOR, f'#models tr[data-key="{SPARE}@cpu"] button') == []
     assert MODEL in daemon.loaded()
 
 

@@ -115,7 +115,8 @@ def test_ten_thousand_models_list_a_page_at_a_time_and_html_stays_text(page, dae
 def test_the_status_json_follows_the_ps_rules(daemon):
     """What the page reads, without a browser: the same rules as /api/ps."""
     def status(key: str | None, query: str = ""):
-        return http("GET", daemon.url + "/api/status" + query, headers={"Authorization": f"Bearer {key}"} if key else {})
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return http("GET", daemon.url + "/api/status" + query, headers=headers)
 
     code, body, _ = status(None)
     assert code == 401 and "missing API key" in body["error"]

@@ -2,8 +2,9 @@
 
 - ``devices`` (admins only): each device's worker (pid, health, restarts) and its share of
   memory.budget: weights, KV committed to models, the rest of its KV pool, other reservations, free;
-- ``models``: every model copy loaded, loading or unloading that the asker may use, with its device,
-  size, KV blocks, requests running and queued, tokens/s (last second) and keep-alive expiry;
+- ``models``: every model copy loaded, loading, unloading or warm (unloaded, kept built in host
+  memory) that the asker may use, with its device and size; a loaded one with its KV blocks,
+  requests running and queued, tokens/s (last second) and keep-alive expiry;
 - ``tenants``: as /api/ps shows them (an admin: every tenant; a tenant: its own row), plus its 429s
   in the last minute;
 - ``history`` (admins only): the samples of api/status_history.py newer than ``?since=`` (epoch s).
@@ -97,6 +98,10 @@ def model_rows(request: web.Request) -> list[dict]:
             "keep_alive_s": entry.keep_alive_s,
             "expires_at": entry.expires_at,  # epoch s its keep_alive ends; None while busy or kept for ever
             "pinned": entry.source.pinned})
+    here = {(e.name, e.device) for e in residency.entries()}
+    for key, warm in residency.warm.entries():  # key: (digest, dtype, weights, device)
+        if warm.name and (warm.name, key[-1]) not in here and visible(request, [warm.name]):
+            rows.append({"name": warm.name, "device": key[-1], "state": "warm", "size_bytes": warm.weight_bytes})
     for job in ctx.registry.loading():
         if visible(request, [job.source.name]):
             rows.append({"name": job.source.name, "device": job.device, "state": job.state,
