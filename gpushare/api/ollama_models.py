@@ -64,6 +64,7 @@ async def show(request: web.Request) -> web.Response:
         "system": preset.system or "", "license": preset.license or "",
         "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES,
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
+        "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
     }
     if preset.messages:
         answer["messages"] = preset.messages
