@@ -64,7 +64,7 @@ def device_memory(ctx) -> list[dict]:
     rows = []
     for name, device in ctx.registry.devices.items():
         stats = device.stats()
-        weights = sum(e.size_bytes for e in residency.entries() if e.device == name)
+        weights = sum(e.size_bytes for e in residency.entries() if e.device_name == name)
         used = residency.used_bytes(name)
         pool, committed = device.kv_pool_bytes, min(stats.kv_committed_bytes, device.kv_pool_bytes)
         row = health.get(name) or {"device": name, "worker_pid": device.pid, "healthy": True, "restarts": 0}
@@ -73,7 +73,7 @@ def device_memory(ctx) -> list[dict]:
                      "kv_committed_bytes": committed,
                      "other_bytes": max(0, used - weights - pool),  # loads that found room, a group's share
                      "free_bytes": max(0, residency.budget_bytes - used),
-                     "models": sum(1 for e in residency.entries() if e.device == name)})
+                     "models": sum(1 for e in residency.entries() if e.device_name == name)})
     return rows
 
 
@@ -86,19 +86,19 @@ def model_rows(request: web.Request) -> list[dict]:
     for entry in [*residency.entries(), *residency.unloading_entries]:
         if not visible(request, [entry.name]):
             continue
-        s = entry.engine.stats().models.get(entry.name)
-        kv_bytes = (s.kv_committed_bytes if s else 0) * entry.engine.world_size
+        s = entry.device.stats().models.get(entry.name)
+        kv_bytes = (s.kv_committed_bytes if s else 0) * entry.device.world_size
         rows.append({
-            "name": entry.name, "device": entry.device, "state": "unloading" if id(entry) in unloading else "loaded",
+            "name": entry.name, "device": entry.device_name, "state": "unloading" if id(entry) in unloading else "loaded",
             "size_bytes": entry.weight_bytes + kv_bytes, "weight_bytes": entry.weight_bytes,
             "kv_committed_bytes": kv_bytes, "kv_blocks_used": s.blocks_used if s else 0,
             "kv_blocks_total": s.blocks_total if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0, "requests": entry.active,
-            "tokens_per_s": round(history.model_tokens_per_s.get((entry.device, entry.name), 0.0), 3),
+            "tokens_per_s": round(history.model_tokens_per_s.get((entry.device_name, entry.name), 0.0), 3),
             "keep_alive_s": entry.keep_alive_s,
             "expires_at": entry.expires_at,  # epoch s its keep_alive ends; None while busy or kept for ever
             "pinned": entry.source.pinned})
-    here = {(e.name, e.device) for e in residency.entries()}
+    here = {(e.name, e.device_name) for e in residency.entries()}
     for key, warm in residency.warm.entries():  # key: (digest, dtype, weights, device)
         if warm.name and (warm.name, key[-1]) not in here and visible(request, [warm.name]):
             rows.append({"name": warm.name, "device": key[-1], "state": "warm", "size_bytes": warm.weight_bytes})
