@@ -30,6 +30,12 @@ N ?= 5
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsystemd-dev pkg-config systemd >/dev/null) \
 		&& $(PIP) install -q systemd-python || echo "systemd-python not installed: using the pure-Python notifier"; \
 	else echo "not root on Debian: skipping systemd-python (the pure-Python notifier is used)"; fi
+	@# The status page's browser tests (tests/test_status_page*.py) drive Debian's chromium through
+	@# chromium-driver; without them those tests skip, naming what is missing.
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+		>/dev/null || echo "chromium not installed: the browser tests will skip"; \
+	else echo "not root on Debian: skipping chromium (the browser tests will skip)"; fi
 	touch $@
 
 setup: .venv/.setup-done

@@ -99,6 +99,13 @@ def test_counters_and_histograms_after_traffic(daemon):
     assert delta("gpushare_inter_token_latency_seconds_count", **alice) == generated - 3
     assert value(m, "gpushare_time_to_first_token_seconds_bucket", **alice, le="+Inf") == \
         value(m, "gpushare_time_to_first_token_seconds_count", **alice)
+    # End to end and queue time, each request once: its queue ends before its first token, which
+    # comes before its end.
+    assert delta("gpushare_request_duration_seconds_count", **alice) == 3
+    assert delta("gpushare_request_queue_time_seconds_count", **alice) == 3
+    queue_s = delta("gpushare_request_queue_time_seconds_sum", **alice)
+    ttft_s = delta("gpushare_time_to_first_token_seconds_sum", **alice)
+    assert 0 < queue_s <= ttft_s < delta("gpushare_request_duration_seconds_sum", **alice)
 
     # Idle again: every block free (cached prefix blocks count as free), nothing queued or running.
     total = value(m, "gpushare_kv_blocks_total", model=MODEL)

@@ -1,10 +1,10 @@
-"""The aiohttp application: both dialects' routes, health and metrics, behind the middlewares."""
+"""The aiohttp application: both dialects' routes, health, metrics and the status page, behind the middlewares."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import health, metrics, ollama, ollama_models, ollama_pull, openai, rerank
+from gpushare.api import health, metrics, ollama, ollama_models, ollama_pull, openai, rerank, status, status_history, ui
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
@@ -30,5 +30,8 @@ def build_app(ctx: ApiContext) -> web.Application:
     openai.add_routes(app)
     rerank.add_routes(app)
     health.add_routes(app)
+    status_history.setup(app, ctx)
     metrics.setup(app, ctx)
+    status.add_routes(app)
+    ui.add_routes(app)
     return app

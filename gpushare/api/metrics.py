@@ -4,7 +4,9 @@ The vLLM-named per-model gauges a gateway's endpoint picker reads come from
 api/gateway_metrics.py, here and alone at /metrics/gateway.
 
 Counted per request, labelled by model and tenant: requests by outcome, prompt, generated
-and prefix-cache-hit tokens, time to first token and inter-token latency. Read at scrape
+and prefix-cache-hit tokens, time to first token, inter-token latency, the whole request's time
+(arrival to its last output) and its queue time (arrival to the engine's first batch with its
+prompt: the tenant's queue, a model load and the engine's waiting queue). Read at scrape
 time: the engine's queue depth, running sequences, KV blocks (used, free, cached, reserved)
 and preemptions per model; KV use, reservation and limit per tenant; the models loaded;
 GPU memory and utilisation through NVML where a driver is present. Model loads (with their
@@ -26,6 +28,7 @@ import asyncio
 import contextvars
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -36,6 +39,7 @@ from gpushare.api import gateway_metrics
 from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
+from gpushare.api.status_history import HISTORY
 from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.residency.registry import ModelNotFound
 from gpushare.protocol.outputs import RequestOutput
@@ -43,6 +47,8 @@ from gpushare.node.gpu import read_gpus as read_nvml_gpus
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+REQUEST_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 LOAD_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 REGISTRY_SAMPLE_S = 1.0
 
@@ -65,6 +71,9 @@ class RequestRecord:
     generated_tokens: int = 0
     generated_by_answer: dict = field(default_factory=dict)
     cached_tokens: int = 0
+    scheduled_s: float | None = None  # the engine's monotonic stamp of its prompt's first batch
+    end_s: float | None = None  # when its last output came
+    on_first_token: Callable[[float], None] | None = None  # given the time to first token, once
 
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -74,14 +83,19 @@ class RequestRecord:
                 gap_s = (now - self.last_token_s) / len(out.token_ids)
                 self.inter_token_s.extend([gap_s] * len(out.token_ids))
             self.last_token_s = now
-        if self.first_token_s is None:
+        if self.first_token_s is None and out.first_token_time_s is not None:
             self.first_token_s = out.first_token_time_s
+            if self.on_first_token is not None:
+                self.on_first_token(max(0.0, self.first_token_s - self.start_s))
+        if self.scheduled_s is None:
+            self.scheduled_s = out.scheduled_time_s
         self.prompt_tokens = out.num_prompt_tokens or self.prompt_tokens
         self.generated_by_answer[out.index] = out.num_generated_tokens  # n > 1: every answer counts
         self.generated_tokens = sum(self.generated_by_answer.values())
         self.cached_tokens = out.num_cached_tokens or self.cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.end_s = now
 
     def outcome(self, status: int | None) -> str:
         """`status`: the HTTP status answered, None when the handler was cancelled (client gone)."""
@@ -119,6 +133,12 @@ class Metrics:
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.itl = Histogram("gpushare_inter_token_latency_seconds", "Between consecutive generated tokens",
                              labels, buckets=ITL_BUCKETS_S, registry=self.registry)
+        self.request_time = Histogram("gpushare_request_duration_seconds", "A generation request that ended "
+                                      "well, from its arrival to its last output (end to end)", labels,
+                                      buckets=REQUEST_BUCKETS_S, registry=self.registry)
+        self.queue_time = Histogram("gpushare_request_queue_time_seconds", "From a request's arrival to the "
+                                    "engine's first batch with its prompt (tenant queue, model load, engine queue)",
+                                    labels, buckets=QUEUE_BUCKETS_S, registry=self.registry)
         self.loads = Counter("gpushare_model_loads", "Models loaded", ["model"], registry=self.registry)
         self.load_duration = Histogram("gpushare_model_load_duration_seconds", "Time to load a model",
                                        ["model"], buckets=LOAD_BUCKETS_S, registry=self.registry)
@@ -139,6 +159,10 @@ class Metrics:
         itl = self.itl.labels(*labels)
         for gap_s in record.inter_token_s:
             itl.observe(gap_s)
+        if record.scheduled_s is not None:
+            self.queue_time.labels(*labels).observe(max(0.0, record.scheduled_s - record.start_s))
+        if record.end_s is not None and outcome == "ok":
+            self.request_time.labels(*labels).observe(record.end_s - record.start_s)
 
     def sample_registry(self) -> None:
         """Count loads and unloads since the last sample (a LoadedEntry is one load of a model)."""
@@ -292,7 +316,8 @@ async def metrics_middleware(request: web.Request, handler):
     """Opens a RequestRecord for each inference request and counts it by outcome when it ends."""
     if request.method != "POST" or request.path not in INFERENCE_PATHS:
         return await handler(request)
-    record = RequestRecord()
+    history = request.app[HISTORY]
+    record = RequestRecord(on_first_token=history.observe_ttft)
     token = current_record.set(record)
     status = None
     try:
@@ -308,6 +333,8 @@ async def metrics_middleware(request: web.Request, handler):
         record.tenant = record.tenant or (tenant.name if tenant is not None else "")
         if not record.model and status is not None:
             record.model = _model_named_in_body(request, context(request))
+        if status == 429:
+            history.count_rejection(record.tenant)
         request.app[METRICS].observe_request(record, record.outcome(status))
 
 

@@ -1,7 +1,7 @@
 """Tenants at the HTTP edge: who is asking (API key), may they (models, limits), and what they may see.
 
 With no `tenants:` configured every request is the keyless tenant "default", as with Ollama.
-Otherwise each request but the probes (OPEN_PATHS) carries a tenant's key (`Authorization: Bearer
+Otherwise each request but the probes and the status page's files (OPEN_PATHS) carries a tenant's key (`Authorization: Bearer
 KEY` or `x-api-key: KEY`), compared as SHA-256 digests with hmac.compare_digest, or gets a 401.
 A tenant sees and uses only the models its allow-list names, sees only its own /api/ps row
 (an `admin` tenant sees every row), and only an admin may create, delete or unload models or
@@ -42,11 +42,13 @@ from aiohttp import web
 from gpushare.api.context import CONTEXT, ApiContext, context
 from gpushare.api.errors import ApiError
 from gpushare.api.gateway import GatewayHeaders
+from gpushare.api.ui import UI_PATHS
 from gpushare.settings.settings import Settings, TenantSettings
 from gpushare.residency.registry import ModelNotFound
 from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy
 
-OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
+# Probes need no key, nor the status page's static files (they hold no data; api/ui.py).
+OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready", *UI_PATHS})
 GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
 INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/load",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank",

@@ -12,6 +12,7 @@ a short pool takes from tenants above their reservation first, newest first, and
 ``borrow`` (set by the engine, kv_sharing.py), from other models over their share of the device pool.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -108,6 +109,8 @@ class Scheduler:
                 self.ledger.prefix_hit_tokens[seq.tenant] = self.ledger.prefix_hit_tokens.get(seq.tenant, 0) + hit
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
+            if seq.scheduled_time_s is None:  # a preempted sequence's queue time ended at its first admission
+                seq.scheduled_time_s = time.monotonic()
             self.running.append(seq)
             batch.add(seq, chunk)
             budget -= chunk

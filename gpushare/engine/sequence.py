@@ -41,6 +41,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks
     generator: torch.Generator | None = None
     first_token_time_s: float | None = None
+    scheduled_time_s: float | None = None  # its first admission into a batch: the end of its queue time
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as prefill chunks run, when asked for
     matcher: object | None = None  # the output grammar (gpushare.engine.constraints), when constrained
     last_logprobs: TokenLogprobs | None = None  # of the token sampled last, when params.logprobs asks

@@ -23,3 +23,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
     logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
     index: int = 0  # which of the request's ``n`` answers this is
+    scheduled_time_s: float | None = None  # time.monotonic() when its prompt first went into a batch

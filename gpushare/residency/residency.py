@@ -377,7 +377,7 @@ class Residency:
         try:
             kept = await asyncio.to_thread(entry.device.unload, entry.name, entry.model, warm_key)
             if kept is not None:
-                self.warm.put(entry.warm_key, kept, entry.weight_bytes)
+                self.warm.put(entry.warm_key, kept, entry.weight_bytes, entry.name)
         except Exception as e:
             log.error("removing model %s from device %s failed: %s", entry.name, entry.device_name, e)
         finally:

@@ -21,6 +21,7 @@ log = logging.getLogger("gpushare.registry")
 class WarmModel:
     loaded: object  # gpushare.models.loader.LoadedModel, weights in host memory
     weight_bytes: int
+    name: str = ""  # the model it was unloaded as (the status page lists it as warm)
 
 
 class WarmCache:
@@ -41,13 +42,16 @@ class WarmCache:
     def fits(self, weight_bytes: int) -> bool:
         return 0 < weight_bytes <= self.capacity_bytes
 
-    def put(self, key: tuple, loaded, weight_bytes: int) -> None:
+    def put(self, key: tuple, loaded, weight_bytes: int, name: str = "") -> None:
         """Keep `loaded` if it fits at all, pushing out the least recently stored to make room."""
         if not self.fits(weight_bytes):
             return
         self._models.pop(key, None)
-        self._models[key] = WarmModel(loaded, weight_bytes)
+        self._models[key] = WarmModel(loaded, weight_bytes, name)
         self._trim()
+
+    def entries(self) -> list[tuple[tuple, WarmModel]]:
+        return list(self._models.items())
 
     def take(self, key: tuple):
         """The warm LoadedModel for `key`, removed from the cache; None when it is not here."""
