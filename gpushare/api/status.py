@@ -24,7 +24,8 @@ from gpushare.api.context import context
 from gpushare.api.errors import bad_request
 from gpushare.api.health import device_rows
 from gpushare.api.status_history import HISTORY
-from gpushare.api.tenants import gate_of, is_admin, tenant_of, tenant_rows, visible
+from gpushare.api.tenant_views import tenant_rows
+from gpushare.api.tenants import gate_of, is_admin, tenant_of, visible
 
 PAGE_ROWS = 50
 

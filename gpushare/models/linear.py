@@ -75,8 +75,8 @@ class Linear(nn.Module):
     @property
     def kernel(self) -> str:
         """The kernel this linear runs on, as listings name it (``gpushare ps``, ``/api/show``)."""
-        if self.blocks:
-            return "cpu-blocks"
+        if self.blocks:  # with the instructions its build runs: avx512-vnni, avx-vnni, avx2 or portable
+            return f"cpu-blocks-{cpu_qmatmul.kernel()}"
         if self.format in ("int8", "int4"):
             return "triton" if next(self.buffers()).is_cuda else f"torch-{self.format}pack"
         return "onednn" if self.format == "onednn" else "torch-dense"
