@@ -1,10 +1,10 @@
-"""The aiohttp application: both dialects' routes, health and metrics, behind the middlewares."""
+"""The aiohttp application: every dialect's routes (Ollama, OpenAI, Anthropic, Responses), health and metrics, behind the middlewares."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import health, metrics, ollama, ollama_models, openai
+from gpushare.api import anthropic, health, metrics, ollama, ollama_models, openai, responses
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
@@ -25,6 +25,8 @@ def build_app(ctx: ApiContext) -> web.Application:
     ollama.add_routes(app)
     ollama_models.add_routes(app)
     openai.add_routes(app)
+    anthropic.add_routes(app)
+    responses.add_routes(app)
     health.add_routes(app)
     metrics.setup(app, ctx)
     return app

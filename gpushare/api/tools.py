@@ -189,10 +189,12 @@ def render_messages(model, messages: list[dict], spec: ToolSpec) -> tuple[list[d
     return fallback_messages(messages, spec), {}
 
 
-def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, template: str | None = None) -> list[int]:
-    """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own."""
+def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, template: str | None = None,
+                           **variables) -> list[int]:
+    """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own;
+    ``variables``: more template variables (``enable_thinking``)."""
     messages, extra = render_messages(model, messages, spec)
-    return encode_with_template(model, messages, template, **extra)
+    return encode_with_template(model, messages, template, **extra, **variables)
 
 
 # ---------------------------------------------------------------------------- the reply

@@ -33,9 +33,11 @@ class SchemaError(ValueError):
 
 @dataclass
 class StructuredOutput:
-    """What the output must be: valid against ``json_schema``, or (``json_object``) any JSON object."""
+    """What the output must be: valid against ``json_schema``, or (``json_object``) any JSON object, or
+    (``lark``) an llguidance Lark grammar (thinking, then what follows it: api/thinking.py)."""
     json_schema: dict | None = None
     json_object: bool = False
+    lark: str | None = None
 
     def schema(self) -> dict:
         return self.json_schema if self.json_schema is not None else {"type": "object"}
@@ -80,8 +82,19 @@ def grammar_vocab(loaded) -> llguidance.LLTokenizer:
         return loaded.grammar_vocab
 
 
+def check_lark(source: str) -> str:
+    """The llguidance grammar of a Lark grammar; SchemaError when it does not compile. Token references
+    (``<[id]>``) are checked against the vocabulary when the matcher is built."""
+    grammar = llguidance.grammar_from("lark", source)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise SchemaError(f"cannot be enforced: {'; '.join(messages)}")
+    return grammar
+
+
 def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:
-    matcher = llguidance.LLMatcher(grammar_vocab(loaded), check_schema(structured.schema()), log_level=0)
+    grammar = check_lark(structured.lark) if structured.lark is not None else check_schema(structured.schema())
+    matcher = llguidance.LLMatcher(grammar_vocab(loaded), grammar, log_level=0)
     if matcher.is_error():
         raise SchemaError(f"the grammar failed to build: {matcher.get_error()}")
     return matcher

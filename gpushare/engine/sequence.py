@@ -34,6 +34,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
     logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
     index: int = 0  # which of the request's ``n`` answers this is
+    stop_reason: str | None = None  # on a "stop" finish by a stop string: that string (vLLM's stop_reason)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Sequence:
     last_logprobs: TokenLogprobs | None = None  # of the token sampled last, when params.logprobs asks
     index: int = 0  # of the request's n answers; answers 1..n-1 are forked from answer 0 after the prefill
     forks: list["Sequence"] = field(default_factory=list)  # answer 0's siblings, once forked
+    stop_reason: str | None = None  # the stop string that ended it
     # Incremental detokenisation state (see Detokenizer in engine.py).
     text: str = ""
     emitted_chars: int = 0
