@@ -176,7 +176,8 @@ def parse_turn(body: dict, limits) -> Turn:
     stop = string_list(body, "stop_sequences")
     check_stop(stop, "stop_sequences", limits)
     values = {"max_tokens": max_tokens, "temperature": field(body, "temperature", "number"),
-              "top_p": field(body, "top_p", "number"), "top_k": field(body, "top_k", "integer"), "stop": stop}
+              "top_p": field(body, "top_p", "number"), "top_k": field(body, "top_k", "integer"), "stop": stop,
+              "ignore_eos": field(body, "ignore_eos", "boolean")}  # vLLM's, as /v1/chat/completions takes it
     return Turn(model, parse_messages(body, limits), values, _tools(body), thinking=_thinking(body, max_tokens),
                 field_names=FIELD_NAMES)
 
@@ -209,7 +210,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if stream:
             return await relay(request, run.stream, run.timings, _stream_format(request, run, message_id, turn.model))
         answer = (await collect(run.stream, run.timings))[0]
-        reply = whole_reply(run, answer.text)
+        reply = whole_reply(answer.text, run.tools, run.thinks, run.opened)
         content = [{"type": "thinking", "thinking": reply.thinking, "signature": ""}] if run.thinks else []
         content += [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
         content += [{"type": "tool_use", "id": _tool_id(), "name": c["name"], "input": c["arguments"]}
@@ -221,7 +222,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 def _stream_format(request: web.Request, run, message_id: str, model: str) -> StreamFormat:
     """Anthropic's events: a content block per part (thinking, text, each tool call), opened when its
     first piece comes and closed when the next part begins or the reply ends."""
-    parts = ReplyStream(run)
+    parts = ReplyStream(run.tools, run.thinks, run.opened)
     block = {"index": -1, "type": None}
 
     def open_block(kind: str, start: dict) -> list[dict]:

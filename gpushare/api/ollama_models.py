@@ -18,6 +18,7 @@ from gpushare.api.context import context, off_loop
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.ollama import CAPABILITIES, rfc3339
+from gpushare.api.thinking import template_thinks
 from gpushare.api.tenants import check_admin, check_model, is_admin
 from gpushare.residency.registry import RegistrationError
 from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
@@ -57,12 +58,13 @@ async def show(request: web.Request) -> web.Response:
     model_info, tensors = desc.model_info, []
     if source.format == "gguf":
         model_info, tensors = await off_loop(_gguf_info, source.path, verbose)
+    template = preset.template if preset.template is not None else desc.template or ""
     answer = {
         "modelfile": format_modelfile(path, preset, source.name),
         "parameters": parameters_text(preset.options),
-        "template": preset.template if preset.template is not None else desc.template or "",
+        "template": template,
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES,
+        "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
     }
     if preset.messages:

@@ -186,7 +186,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if field(body, "stream", "boolean", False):
             return await relay(request, run.stream, run.timings, _stream_format(request, run, base))
         answer = (await collect(run.stream, run.timings))[0]
-        reply = whole_reply(run, answer.text)
+        reply = whole_reply(answer.text, run.tools, run.thinks, run.opened)
         output = [_reasoning(reply.thinking)] if run.thinks else []
         output += [_call(c["name"], json.dumps(c["arguments"])) for c in reply.calls or []]
         output += [_message(reply.text)] if not reply.calls else []
@@ -196,7 +196,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 def _stream_format(request: web.Request, run, base: dict) -> StreamFormat:
     """The Responses events: an output item per part (reasoning, message, each call), added when its first
     piece comes and done when the next part begins or the reply ends."""
-    parts = ReplyStream(run)
+    parts = ReplyStream(run.tools, run.thinks, run.opened)
     output: list[dict] = []
     state = {"open": None, "sequence": 0}
 

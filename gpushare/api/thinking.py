@@ -39,10 +39,14 @@ def close_token(model) -> int | None:
     return model.tokenizer.token_to_id(THINK_CLOSE)
 
 
+def template_thinks(source: str | None) -> bool:
+    """Whether a chat template is a thinking model's (/api/show's ``thinking`` capability)."""
+    return "enable_thinking" in (source or "") or THINK_OPEN in (source or "")
+
+
 def can_think(model, template: str | None = None) -> bool:
     """Whether the model (with ``template``, a preset's TEMPLATE, replacing its own) thinks."""
-    source = template or model.template_source or ""
-    return ("enable_thinking" in source or THINK_OPEN in source) and close_token(model) is not None
+    return template_thinks(template or model.template_source) and close_token(model) is not None
 
 
 def effort(value, param: str) -> Thinking:

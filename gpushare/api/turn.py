@@ -95,9 +95,9 @@ class Reply:
     calls: list[dict] | None  # {"name", "arguments"} each
 
 
-def whole_reply(run: Running, text: str) -> Reply:
-    thought, answer = think.split(text, run.thinks, run.opened)
-    calls = parse_calls(answer, run.tools) if run.tools.active else None
+def whole_reply(text: str, tools: ToolSpec, thinks: bool, opened: bool) -> Reply:
+    thought, answer = think.split(text, thinks, opened)
+    calls = parse_calls(answer, tools) if tools.active else None
     return Reply(thought, "" if calls else answer, calls)
 
 
@@ -106,11 +106,11 @@ class ReplyStream:
     ``("thinking", text)``, ``("text", text)``, ``("call", name)`` (a call begins), ``("arguments", text)``
     and, at the end, ``("calls", [...])`` for calls that were not streamed piece by piece."""
 
-    def __init__(self, run: Running):
-        self.splitter = think.ThinkSplit(run.thinks, run.opened)
-        self.held = ReplyFilter(run.tools)
-        self.calls = CallStream(run.tools)
-        self.tools = run.tools
+    def __init__(self, tools: ToolSpec, thinks: bool, opened: bool):
+        self.splitter = think.ThinkSplit(thinks, opened)
+        self.held = ReplyFilter(tools)
+        self.calls = CallStream(tools)
+        self.tools = tools
         self.answer = ""  # every answer character so far
         self.called = False  # a tool call was sent
 
