@@ -153,14 +153,17 @@ def test_responses_reasoning_item_then_json_after_the_thinking(daemon, oracle):
     assert r.output[0].content[0].text == _split(tokenizer, out)[0] and r.output_text == ""
 
 
-def test_a_forced_tool_call_starts_where_the_thinking_ends(daemon, oracle):
-    _, out, tokenizer = oracle(16, BUDGET)
+def test_a_forced_tool_call_starts_where_the_thinking_ends(daemon):
     client = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=120)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    r = client.messages.create(model=THINKER, messages=MESSAGES, max_tokens=60, extra_body={"temperature": 0},
-                               thinking={"type": "enabled", "budget_tokens": BUDGET},
-                               tools=[{"name": "answer", "input_schema": schema}], tool_choice={"type": "any"})
-    # The thinking is the random model's free text, as without the tool; the grammar holds what follows it.
-    assert [b.type for b in r.content] == ["thinking", "tool_use"] and r.stop_reason == "tool_use"
-    assert r.content[0].thinking == _split(tokenizer, out)[0]
-    assert r.content[1].name == "answer" and r.content[1].input in ({"ok": True}, {"ok": False})
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    kwargs = dict(model=THINKER, messages=MESSAGES, max_tokens=60, extra_body={"temperature": 0},
+                  thinking={"type": "enabled", "budget_tokens": BUDGET}, tools=[{"name": "answer", "input_schema": schema}])
+    forced = client.messages.create(**kwargs, tool_choice={"type": "any"})
+    assert [b.type for b in forced.content] == ["thinking", "tool_use"] and forced.stop_reason == "tool_use"
+    assert forced.content[1].name == "answer" and forced.content[1].input in ({"ok": True}, {"ok": False})
+    # The thinking is the random model's free text, as when it is left to choose: the grammar holds only what
+    # follows it (a random model left to choose never writes a call).
+    free = client.messages.create(**kwargs, tool_choice={"type": "auto"})
+    assert [b.type for b in free.content] == ["thinking", "text"]
+    assert forced.content[0].thinking == free.content[0].thinking != ""

@@ -132,7 +132,8 @@ def _tools(body: dict):
                               f'supported, got type {tool.get("type") if isinstance(tool, dict) else tool!r}',
                               param=where)
         if not isinstance(tool.get("input_schema"), dict):
-            raise bad_request(f'"{where}.input_schema" is required: a JSON Schema object', param=where + ".input_schema")
+            raise bad_request(f'"{where}.input_schema" is required: a JSON Schema object',
+                              param=where + ".input_schema")
         tools.append({"type": "function", "function": {"name": tool.get("name"), "description": tool.get("description"),
                                                        "parameters": tool["input_schema"]}})
     choice = field(body, "tool_choice", "object", {"type": "auto"})
@@ -260,8 +261,9 @@ def _stream_format(request: web.Request, run, message_id: str, model: str) -> St
                 for call in value:
                     events += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": call["name"],
                                                       "input": {}})
+                    whole = json.dumps(call["arguments"])
                     events.append({"type": "content_block_delta", "index": block["index"],
-                                   "delta": {"type": "input_json_delta", "partial_json": json.dumps(call["arguments"])}})
+                                   "delta": {"type": "input_json_delta", "partial_json": whole}})
         return events
 
     def head() -> list[dict]:

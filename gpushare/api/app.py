@@ -1,4 +1,5 @@
-"""The aiohttp application: every dialect's routes (Ollama, OpenAI, Anthropic, Responses), health and metrics, behind the middlewares."""
+"""The aiohttp application: every dialect's routes (Ollama, OpenAI, Anthropic, Responses), health and
+metrics, behind the middlewares."""
 
 from __future__ import annotations
 

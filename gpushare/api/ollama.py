@@ -7,16 +7,14 @@ prompt/messages loads the model (done_reason "load"), or unloads it with keep_al
 top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last 64
 tokens only (repeat_last_n), a window this engine does not have. A model's own options,
 system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
-longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
-/api/copy are in api/ollama_models.py.
+longer than its context loses its oldest messages as in Ollama. /api/show, /api/create,
+/api/copy, /api/delete and /api/load are in api/ollama_models.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import importlib.metadata
-import json
 import time
 
 from aiohttp import web
@@ -37,16 +35,16 @@ from gpushare.api.structured import ollama_format
 from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
                                   visible)
 from gpushare.api import thinking as think
-from gpushare.api.tools import ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, parse_calls, parse_tools
+from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, parse_calls,
+                                parse_tools)
 from gpushare.api.turn import ReplyStream, whole_reply
 from gpushare.residency.model_catalog import catalog_problems
-from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
+from gpushare.residency.registry import RegistrationError
 
 # What every model served here does: generate (every supported architecture is a causal LM), call
 # tools (through its template or the documented fallback, forced calls held to their schema by
 # constrained decoding: api/tools.py) and embed (mean-pooled hidden states, /api/embed).
 CAPABILITIES = ["completion", "tools", "embedding"]
-LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
 ROLES = {role: role for role in ("system", "user", "assistant", "tool")}
@@ -362,58 +360,6 @@ async def ps(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def delete(request: web.Request) -> web.Response:
-    body = await read_json_object(request)
-    name = field(body, "model", "string") or required_string(body, "name")
-    check_admin(request, "delete models")
-    try:
-        await context(request).registry.remove(name)
-    except RegistrationError as e:
-        raise bad_request(str(e)) from None
-    return web.json_response({})
-
-
-async def load(request: web.Request) -> web.StreamResponse:
-    """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
-    as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
-    then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
-    or "on disk"}, or {"error": ...} once streaming."""
-    body = await read_json_object(request)
-    model = required_string(body, "model")
-    check_model(request, model)
-    keep_alive = keep_alive_s(body)
-    check_keep_alive(request, keep_alive)
-    registry = context(request).registry
-    source = registry.find(model)
-    name, was = source.name, registry.state(source)
-    loading = asyncio.ensure_future(registry.load(model, keep_alive))
-    try:
-        await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
-        if loading.done() and loading.exception() is not None:
-            raise loading.exception()  # before the first line: a plain HTTP error (404, 503 + Retry-After)
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-        last = None
-        while not loading.done():
-            job = registry.get_loading(name)
-            line = job and {"status": job.state, "completed": job.done_bytes, "total": job.total_bytes}
-            if line and line != last:
-                await response.write(json.dumps(line).encode() + b"\n")
-                last = line
-            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
-        try:
-            lease = loading.result()
-            line = {"status": "success", "model": model, "load_duration": int(lease.load_duration_s * 1e9),
-                    "from": was}
-        except (ModelLoadError, RegistryFull) as e:
-            line = {"error": str(e)}
-        await response.write(json.dumps(line).encode() + b"\n")
-        await response.write_eof()
-        return response
-    finally:
-        loading.cancel()
-
-
 async def not_supported(request: web.Request) -> web.Response:
     raise ApiError(501, f"{request.path} is not supported: gpushare serves local files; "
                         f"register one with `gpushare create NAME --from PATH`")
@@ -428,7 +374,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/embeddings", embeddings)
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", ps)
-    app.router.add_post("/api/load", load)
-    app.router.add_delete("/api/delete", delete)
     for path in ("/api/pull", "/api/push"):
         app.router.add_post(path, not_supported)

@@ -1,4 +1,5 @@
-"""Ollama's model-management endpoints: /api/show, /api/create, /api/copy.
+"""Ollama's model-management endpoints: /api/show, /api/create, /api/copy, /api/delete, and gpushare's
+/api/load (a load with progress).
 
 /api/show answers as Ollama does: the Modelfile that rebuilds the model (`ollama show
 --modelfile`), its `parameters` text, template, system prompt, license, MESSAGEs, details,
@@ -10,21 +11,24 @@ and `model_info` with the GGUF's own metadata keys (arrays such as the vocabular
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 
 from aiohttp import web
 
 from gpushare.api.context import context, off_loop
 from gpushare.api.errors import bad_request
-from gpushare.api.fields import field, read_json_object, required_string
+from gpushare.api.fields import field, keep_alive_s, read_json_object, required_string
 from gpushare.api.ollama import CAPABILITIES, rfc3339
 from gpushare.api.thinking import template_thinks
-from gpushare.api.tenants import check_admin, check_model, is_admin
-from gpushare.residency.registry import RegistrationError
+from gpushare.api.tenants import check_admin, check_keep_alive, check_model, is_admin
+from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
                                     parameters_text)
 from gpushare.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
+LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 HIDDEN_KEYS = ("general.name", "tokenizer.chat_template")  # Ollama leaves these out of model_info too
 UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on the daemon's machine in \"from\"",
                       "adapters": "is not supported: gpushare does not apply LoRA adapters",
@@ -64,7 +68,8 @@ async def show(request: web.Request) -> web.Response:
         "parameters": parameters_text(preset.options),
         "template": template,
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
+        "details": desc.details, "model_info": model_info,
+        "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
     }
     if preset.messages:
@@ -130,7 +135,61 @@ async def copy(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def delete(request: web.Request) -> web.Response:
+    body = await read_json_object(request)
+    name = field(body, "model", "string") or required_string(body, "name")
+    check_admin(request, "delete models")
+    try:
+        await context(request).registry.remove(name)
+    except RegistrationError as e:
+        raise bad_request(str(e)) from None
+    return web.json_response({})
+
+
+async def load(request: web.Request) -> web.StreamResponse:
+    """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
+    as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
+    then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
+    or "on disk"}, or {"error": ...} once streaming."""
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    check_model(request, model)
+    keep_alive = keep_alive_s(body)
+    check_keep_alive(request, keep_alive)
+    registry = context(request).registry
+    source = registry.find(model)
+    name, was = source.name, registry.state(source)
+    loading = asyncio.ensure_future(registry.load(model, keep_alive))
+    try:
+        await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        if loading.done() and loading.exception() is not None:
+            raise loading.exception()  # before the first line: a plain HTTP error (404, 503 + Retry-After)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        last = None
+        while not loading.done():
+            job = registry.get_loading(name)
+            line = job and {"status": job.state, "completed": job.done_bytes, "total": job.total_bytes}
+            if line and line != last:
+                await response.write(json.dumps(line).encode() + b"\n")
+                last = line
+            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        try:
+            lease = loading.result()
+            line = {"status": "success", "model": model, "load_duration": int(lease.load_duration_s * 1e9),
+                    "from": was}
+        except (ModelLoadError, RegistryFull) as e:
+            line = {"error": str(e)}
+        await response.write(json.dumps(line).encode() + b"\n")
+        await response.write_eof()
+        return response
+    finally:
+        loading.cancel()
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_post("/api/create", create)
     app.router.add_post("/api/copy", copy)
+    app.router.add_post("/api/load", load)
+    app.router.add_delete("/api/delete", delete)

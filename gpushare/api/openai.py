@@ -30,7 +30,8 @@ from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked
                                     make_sampling_params, relay)
 from gpushare.api.structured import openai_response_format
 from gpushare.api import thinking as think
-from gpushare.api.tools import ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, new_call_id, parse_tools
+from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, new_call_id,
+                                parse_tools)
 from gpushare.api.turn import ReplyStream, whole_reply
 from gpushare.api.tenants import admit, check_model, visible
 
@@ -117,7 +118,7 @@ def _thinking(body: dict) -> think.Thinking:
     enabled = field(kwargs, "enable_thinking", "boolean", prefix="chat_template_kwargs.")
     if enabled is not None:
         return think.Thinking(enabled, param="chat_template_kwargs.enable_thinking")
-    return think.effort(field(body, "reasoning_effort", "string"), "reasoning_effort")
+    return think.effort(field(body, "reasoning_effort", "string"), "reasoning_effort", strict=False)
 
 
 # ---------------------------------------------------------------------------- shared flow

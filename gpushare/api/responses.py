@@ -123,7 +123,8 @@ def _format(body: dict):
     fmt = field(field(body, "text", "object", {}), "format", "object", prefix="text.")
     if fmt is None or fmt.get("type") != "json_schema":
         return openai_response_format({"response_format": fmt})
-    spec = {"name": fmt.get("name"), "schema": fmt.get("schema", {"type": "object"}), "strict": fmt.get("strict", False)}
+    spec = {"name": fmt.get("name"), "schema": fmt.get("schema", {"type": "object"}),
+            "strict": fmt.get("strict", False)}
     return openai_response_format({"response_format": {"type": "json_schema", "json_schema": spec}})
 
 
@@ -134,7 +135,7 @@ def parse_turn(body: dict, limits) -> Turn:
         raise bad_request('"store" true is not supported: responses are not stored here; send "store": false',
                           param="store")
     reasoning = field(body, "reasoning", "object", {})
-    thinking = think.effort(field(reasoning, "effort", "string", prefix="reasoning."), "reasoning.effort")
+    thinking = think.effort(field(reasoning, "effort", "string", prefix="reasoning."), "reasoning.effort", strict=False)
     values = {"max_tokens": field(body, "max_output_tokens", "integer"),
               "temperature": field(body, "temperature", "number"), "top_p": field(body, "top_p", "number")}
     return Turn(model, parse_input(body, limits), values, _tools(body), _format(body), thinking, FIELD_NAMES)

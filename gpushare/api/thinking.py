@@ -32,6 +32,7 @@ class Thinking:
     enabled: bool | None = None
     budget_tokens: int | None = None
     param: str = "think"  # the field that asked, as the dialect names it (for 400s)
+    strict: bool = True  # asking a model that cannot think is a 400 (else the request is answered plainly)
 
 
 def close_token(model) -> int | None:
@@ -49,24 +50,25 @@ def can_think(model, template: str | None = None) -> bool:
     return template_thinks(template or model.template_source) and close_token(model) is not None
 
 
-def effort(value, param: str) -> Thinking:
-    """``true | false | "minimal" | "low" | "medium" | "high"`` (Ollama's think, OpenAI's reasoning effort)."""
+def effort(value, param: str, strict: bool = True) -> Thinking:
+    """``true | false | "minimal" | "low" | "medium" | "high"`` (Ollama's think, OpenAI's reasoning effort;
+    ``strict`` False: OpenAI clients send an effort to every model, so a model that cannot think ignores it)."""
     if value is None:
         return Thinking(param=param)
     if isinstance(value, bool):
-        return Thinking(value, param=param)
+        return Thinking(value, param=param, strict=strict)
     if value in ("none",):
         return Thinking(False, param=param)
     if value in EFFORT_BUDGETS:
-        return Thinking(True, EFFORT_BUDGETS[value], param=param)
+        return Thinking(True, EFFORT_BUDGETS[value], param=param, strict=strict)
     raise bad_request(f'"{param}" must be true, false, "low", "medium" or "high", got {json.dumps(value)}',
                       param=param)
 
 
 def checked(thinking: Thinking, model, template: str | None, model_name: str) -> Thinking:
     """The request's thinking for this model: 400 when it asks a model that cannot think to, as Ollama
-    answers; a request that leaves it unset on such a model is plain."""
-    if thinking.enabled and not can_think(model, template):
+    answers (unless not ``strict``); a request that leaves it unset on such a model is plain."""
+    if thinking.enabled and thinking.strict and not can_think(model, template):
         raise bad_request(f'"{model_name}" does not support thinking', param=thinking.param)
     if not can_think(model, template):
         return Thinking(False, param=thinking.param)

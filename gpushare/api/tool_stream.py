@@ -85,7 +85,8 @@ class CallStream:
 
 def _may_become_head(text: str) -> bool:
     """Whether more text could still make ``text`` a call head (a prefix of one)."""
-    start = text.lstrip()
     template = '{"name":"'
-    compact = re.sub(r"\s+", "", start)
-    return template.startswith(compact[:len(template)]) if len(compact) < len(template) else compact.startswith(template)
+    compact = re.sub(r"\s+", "", text)
+    if len(compact) < len(template):
+        return template.startswith(compact)
+    return compact.startswith(template)
