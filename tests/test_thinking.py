@@ -134,6 +134,16 @@ def test_openai_reasoning_content_and_thinking_off(daemon, oracle):
     assert getattr(off.choices[0].message, "reasoning_content", None) is None and off.usage.prompt_tokens == prompt
 
 
+def test_openai_reasoning_effort_is_a_budget(daemon, oracle):
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    _, out, tokenizer = oracle(262, 256)  # "minimal": 256 tokens of thinking
+    assert out[256] == CLOSE_ID and CLOSE_ID not in out[:256]
+    thinking, answer = _split(tokenizer, out)
+    r = client.chat.completions.create(model=THINKER, messages=MESSAGES, max_tokens=262, temperature=0,
+                                       reasoning_effort="minimal")
+    assert r.choices[0].message.reasoning_content == thinking and r.choices[0].message.content == answer != ""
+
+
 def test_ollama_think_true_and_false(daemon, oracle):
     _, out, tokenizer = oracle(10)
     body = {"model": THINKER, "messages": MESSAGES, "stream": False, "options": {"temperature": 0, "num_predict": 10}}
