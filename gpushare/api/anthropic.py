@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gpushare.api import thinking as think
 from gpushare.api.errors import bad_request, error_body
-from gpushare.api.fields import field, read_json_object, reject_unsupported, required_string, string_list
+from gpushare.api.fields import field, read_json_object, reject_unsupported, required_string, string_list, text_parts
 from gpushare.api.limits import check_count, check_prompt_chars, check_stop, limits_of
 from gpushare.api.streaming import StreamFormat, collect, relay
 from gpushare.api.tools import parse_tools
@@ -29,24 +29,10 @@ from gpushare.api.turn import ReplyStream, Turn, count_prompt, running, whole_re
 UNSUPPORTED = {"mcp_servers": "is not supported", "container": "is not supported"}
 FIELD_NAMES = {"max_tokens": "max_tokens", "stop": "stop_sequences"}
 STOP_REASONS = {"length": "max_tokens"}
+COUNTING_MAX_TOKENS = 1 << 30  # count_tokens takes no max_tokens; a thinking budget is checked against this
 
 
 # ---------------------------------------------------------------------------- request parsing
-
-def _text_blocks(value, where: str) -> str:
-    """A string, or an array of text blocks, as one text."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f'"{where}" must be a string or an array of text blocks', param=where)
-    parts = []
-    for j, block in enumerate(value):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f'"{where}[{j}]" must be a text block {{"type": "text", "text": ...}}',
-                              param=f"{where}[{j}]")
-        parts.append(block["text"])
-    return "".join(parts)
-
 
 def _blocks(m: dict, where: str) -> list[dict]:
     content = m.get("content")
@@ -66,7 +52,7 @@ def _assistant(blocks: list[dict], where: str, calls: dict) -> list[dict]:
     for j, block in enumerate(blocks):
         at, kind = f"{where}.content[{j}]", block["type"]
         if kind == "text":
-            text.append(_text_blocks([block], at))
+            text.append(text_parts([block], at))
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad_request(f'"{at}" (tool_use) needs a string "id" and "name"', param=at)
@@ -86,13 +72,13 @@ def _user(blocks: list[dict], where: str, calls: dict) -> list[dict]:
     for j, block in enumerate(blocks):
         at, kind = f"{where}.content[{j}]", block["type"]
         if kind == "text":
-            text.append(_text_blocks([block], at))
+            text.append(text_parts([block], at))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if call_id not in calls:
                 raise bad_request(f'"{at}.tool_use_id" {call_id!r} names no tool_use block of an earlier '
                                   'assistant message', param=at + ".tool_use_id")
-            result = _text_blocks(block.get("content", ""), at + ".content")
+            result = text_parts(block.get("content", ""), at + ".content")
             if block.get("is_error"):
                 result = "Error: " + result
             out.append({"role": "tool", "content": result, "tool_call_id": call_id, "name": calls[call_id]})
@@ -109,7 +95,7 @@ def parse_messages(body: dict, limits) -> list[dict]:
         raise bad_request('"messages" is required and must not be empty', param="messages")
     check_count("messages", len(raw), "messages", "max_messages", limits)
     system = body.get("system")
-    out = [{"role": "system", "content": _text_blocks(system, "system")}] if system else []
+    out = [{"role": "system", "content": text_parts(system, "system")}] if system else []
     calls: dict[str, str] = {}  # tool_use id -> its tool's name
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -165,10 +151,11 @@ def _thinking(body: dict, max_tokens: int) -> think.Thinking:
     return think.Thinking(True, budget, param="thinking")
 
 
-def parse_turn(body: dict, limits) -> Turn:
+def parse_turn(body: dict, limits, counting: bool = False) -> Turn:
+    """The turn a body asks for; ``counting`` (count_tokens): ``max_tokens`` is not needed."""
     model = required_string(body, "model")
     reject_unsupported(body, UNSUPPORTED)
-    max_tokens = field(body, "max_tokens", "integer")
+    max_tokens = field(body, "max_tokens", "integer", COUNTING_MAX_TOKENS if counting else None)
     if max_tokens is None:
         raise bad_request('"max_tokens" is required', param="max_tokens")
     if max_tokens < 1:
@@ -220,51 +207,61 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return web.json_response(_message(message_id, turn.model, content, _stop(answer.out, bool(reply.calls)), usage))
 
 
-def _stream_format(request: web.Request, run, message_id: str, model: str) -> StreamFormat:
-    """Anthropic's events: a content block per part (thinking, text, each tool call), opened when its
-    first piece comes and closed when the next part begins or the reply ends."""
-    parts = ReplyStream(run.tools, run.thinks, run.opened)
-    block = {"index": -1, "type": None}
+class ContentBlocks:
+    """The content blocks of a streamed message, with Anthropic's events that build them: a block per part
+    (thinking, text, each tool call), opened when its first piece comes and closed when the next part
+    begins or the reply ends."""
 
-    def open_block(kind: str, start: dict) -> list[dict]:
-        events = close_block()
-        block.update(index=block["index"] + 1, type=kind)
-        return events + [{"type": "content_block_start", "index": block["index"], "content_block": start}]
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None  # the open block's type
 
-    def close_block() -> list[dict]:
-        if block["type"] is None:
+    def open(self, kind: str, start: dict) -> list[dict]:
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        return events + [{"type": "content_block_start", "index": self.index, "content_block": start}]
+
+    def close(self) -> list[dict]:
+        if self.kind is None:
             return []
-        events = [{"type": "content_block_delta", "index": block["index"],
-                   "delta": {"type": "signature_delta", "signature": ""}}] if block["type"] == "thinking" else []
-        block["type"] = None
-        return events + [{"type": "content_block_stop", "index": block["index"]}]
+        events = [self.delta({"type": "signature_delta", "signature": ""})] if self.kind == "thinking" else []
+        self.kind = None
+        return events + [{"type": "content_block_stop", "index": self.index}]
 
-    def delta(kind: str, start: dict, delta_type: str, key: str, text: str) -> list[dict]:
-        events = open_block(kind, start) if block["type"] != kind else []
-        return events + [{"type": "content_block_delta", "index": block["index"],
-                          "delta": {"type": delta_type, key: text}}]
+    def delta(self, delta: dict) -> dict:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def events_of(items) -> list[dict]:
+    def text(self, kind: str, start: dict, delta: dict) -> list[dict]:
+        return (self.open(kind, start) if self.kind != kind else []) + [self.delta(delta)]
+
+    def of(self, parts) -> list[dict]:
+        """The events of a reply's parts (api/turn.ReplyStream)."""
         events = []
-        for kind, value in items:
+        for kind, value in parts:
             if kind == "thinking":
-                events += delta("thinking", {"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta",
-                                "thinking", value)
+                events += self.text("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                                    {"type": "thinking_delta", "thinking": value})
             elif kind == "text":
-                events += delta("text", {"type": "text", "text": ""}, "text_delta", "text", value)
+                events += self.text("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": value})
             elif kind == "call":
-                events += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": value, "input": {}})
+                events += self.open("tool_use", _tool_use(value))
             elif kind == "arguments":
-                events.append({"type": "content_block_delta", "index": block["index"],
-                               "delta": {"type": "input_json_delta", "partial_json": value}})
+                events.append(self.delta({"type": "input_json_delta", "partial_json": value}))
             else:  # calls sent whole
                 for call in value:
-                    events += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": call["name"],
-                                                      "input": {}})
+                    events += self.open("tool_use", _tool_use(call["name"]))
                     whole = json.dumps(call["arguments"])
-                    events.append({"type": "content_block_delta", "index": block["index"],
-                                   "delta": {"type": "input_json_delta", "partial_json": whole}})
+                    events.append(self.delta({"type": "input_json_delta", "partial_json": whole}))
         return events
+
+
+def _tool_use(name: str) -> dict:
+    return {"type": "tool_use", "id": _tool_id(), "name": name, "input": {}}
+
+
+def _stream_format(request: web.Request, run, message_id: str, model: str) -> StreamFormat:
+    parts = ReplyStream(run.tools, run.thinks, run.opened)
+    blocks = ContentBlocks()
 
     def head() -> list[dict]:
         usage = {"input_tokens": len(run.prompt_ids), "output_tokens": 0}
@@ -272,15 +269,13 @@ def _stream_format(request: web.Request, run, message_id: str, model: str) -> St
                 {"type": "ping"}]
 
     def piece(out) -> list[dict]:
-        return events_of(parts.feed(out.text)) + (events_of(parts.finish()) if out.finished else [])
+        return blocks.of(parts.feed(out.text)) + (blocks.of(parts.finish()) if out.finished else [])
 
     def tail(out) -> list[dict]:
-        if block["index"] < 0:  # nothing was said: an empty text block, as Anthropic sends
-            events = open_block("text", {"type": "text", "text": ""})
-        else:
-            events = []
+        # Nothing said: an empty text block, as Anthropic sends.
+        events = blocks.open("text", {"type": "text", "text": ""}) if blocks.index < 0 else []
         stop_reason, stop_sequence = _stop(out, parts.called)
-        return events + close_block() + [
+        return events + blocks.close() + [
             {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
              "usage": {"output_tokens": out.num_generated_tokens}},
             {"type": "message_stop"}]
@@ -291,8 +286,7 @@ def _stream_format(request: web.Request, run, message_id: str, model: str) -> St
 
 async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json_object(request)
-    body.setdefault("max_tokens", 1 << 20)  # not needed to count: the turn's parser wants one
-    turn = parse_turn(body, limits_of(request))
+    turn = parse_turn(body, limits_of(request), counting=True)
     return web.json_response({"input_tokens": await count_prompt(request, turn)})
 
 

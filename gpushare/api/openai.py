@@ -22,7 +22,8 @@ from aiohttp import web
 from gpushare.api.context import context, encode_text, off_loop
 from gpushare.api.embeddings import embed_texts
 from gpushare.api.errors import bad_request, error_body
-from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
+from gpushare.api.fields import (field, message_list, read_json_object, reject_unsupported, required_string,
+                                 string_list, text_parts)
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
@@ -77,17 +78,7 @@ def sampling_values(body: dict, limits) -> dict:
 
 def _message_content(m: dict, where: str) -> str:
     content = m.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f'"{where}.content[{j}]": only {{"type": "text", "text": ...}} parts are supported',
-                                  param=f"{where}.content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f'"{where}.content" must be a string or an array of text parts', param=f"{where}.content")
+    return "" if content is None else text_parts(content, where + ".content")
 
 
 def parse_messages(body: dict, limits) -> list[dict]:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gpushare.api import thinking as think
 from gpushare.api.errors import bad_request, error_body
-from gpushare.api.fields import field, read_json_object, reject_unsupported, required_string
+from gpushare.api.fields import field, read_json_object, reject_unsupported, required_string, text_parts
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import StreamFormat, collect, relay
 from gpushare.api.structured import openai_response_format
@@ -38,18 +38,7 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens"}
 # ---------------------------------------------------------------------------- request parsing
 
 def _content(value, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f'"{where}" must be a string or an array of text parts', param=where)
-    parts = []
-    for j, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise bad_request(f'"{where}[{j}]": only input_text and output_text parts are supported',
-                              param=f"{where}[{j}]")
-        parts.append(part["text"])
-    return "".join(parts)
+    return text_parts(value, where, ("input_text", "output_text", "text"))
 
 
 def _item(item, where: str, calls: dict, out: list[dict]) -> None:
@@ -194,96 +183,100 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return web.json_response(_response(base, "completed", output, answer.out))
 
 
-def _stream_format(request: web.Request, run, base: dict) -> StreamFormat:
-    """The Responses events: an output item per part (reasoning, message, each call), added when its first
-    piece comes and done when the next part begins or the reply ends."""
-    parts = ReplyStream(run.tools, run.thinks, run.opened)
-    output: list[dict] = []
-    state = {"open": None, "sequence": 0}
+class OutputItems:
+    """The output items of a streamed response, with the events that build them: an item per part
+    (reasoning, message, each call), added when its first piece comes and done when the next part
+    begins or the reply ends."""
 
-    def event(kind: str, **fields) -> dict:
-        state["sequence"] += 1
-        return {"type": kind, "sequence_number": state["sequence"], **fields}
+    def __init__(self):
+        self.output: list[dict] = []
+        self.open: dict | None = None
+        self.sequence = 0
 
-    def close() -> list[dict]:
-        item = state["open"]
+    def event(self, kind: str, **fields) -> dict:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence, **fields}
+
+    def _at(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def close(self) -> list[dict]:
+        item = self.open
         if item is None:
             return []
-        state["open"] = None
-        at = {"item_id": item["id"], "output_index": len(output) - 1}
-        item["status"] = "completed"
+        at = self._at()
+        self.open, item["status"] = None, "completed"
         if item["type"] == "function_call":
-            events = [event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
+            events = [self.event("response.function_call_arguments.done", **at, arguments=item["arguments"])]
         else:
             part = item["content"][0]
-            text_kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            events = [event(f"response.{text_kind}.done", **at, content_index=0, text=part["text"]),
-                      event("response.content_part.done", **at, content_index=0, part=part)]
-        return events + [event("response.output_item.done", output_index=len(output) - 1, item=item)]
+            events = [self.event(f"response.{_text_kind(item)}.done", **at, content_index=0, text=part["text"]),
+                      self.event("response.content_part.done", **at, content_index=0, part=part)]
+        return events + [self.event("response.output_item.done", output_index=at["output_index"], item=item)]
 
-    def add(item: dict) -> list[dict]:
-        events = close()
-        empty = {**item, "status": "in_progress"}
+    def add(self, item: dict) -> list[dict]:
+        events = self.close()
+        self.open = {**item, "status": "in_progress"}
+        self.output.append(self.open)
+        events.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=self.open))
         if item["type"] != "function_call":
-            empty["content"] = [{**item["content"][0], "text": ""}]
-        else:
-            empty["arguments"] = ""
-        output.append(empty)
-        state["open"] = empty
-        events.append(event("response.output_item.added", output_index=len(output) - 1, item=empty))
-        if item["type"] != "function_call":
-            events.append(event("response.content_part.added", item_id=empty["id"], output_index=len(output) - 1,
-                                content_index=0, part=empty["content"][0]))
+            events.append(self.event("response.content_part.added", **self._at(), content_index=0,
+                                     part=self.open["content"][0]))
         return events
 
-    def text(kind: str, make, value: str) -> list[dict]:
-        open_item = state["open"]
-        events = add(make("")) if open_item is None or open_item["type"] != kind else []
-        item = state["open"]
-        item["content"][0]["text"] += value
-        text_kind = "output_text" if kind == "message" else "reasoning_text"
-        return events + [event(f"response.{text_kind}.delta", item_id=item["id"], output_index=len(output) - 1,
-                               content_index=0, delta=value)]
+    def text(self, kind: str, make, value: str) -> list[dict]:
+        events = self.add(make("")) if self.open is None or self.open["type"] != kind else []
+        self.open["content"][0]["text"] += value
+        return events + [self.event(f"response.{_text_kind(self.open)}.delta", **self._at(), content_index=0,
+                                    delta=value)]
 
-    def arguments(value: str) -> list[dict]:
-        item = state["open"]
-        item["arguments"] += value
-        return [event("response.function_call_arguments.delta", item_id=item["id"], output_index=len(output) - 1,
-                      delta=value)]
+    def arguments(self, value: str) -> list[dict]:
+        self.open["arguments"] += value
+        return [self.event("response.function_call_arguments.delta", **self._at(), delta=value)]
 
-    def events_of(items) -> list[dict]:
+    def of(self, parts) -> list[dict]:
+        """The events of a reply's parts (api/turn.ReplyStream)."""
         events = []
-        for kind, value in items:
+        for kind, value in parts:
             if kind == "thinking":
-                events += text("reasoning", _reasoning, value)
+                events += self.text("reasoning", _reasoning, value)
             elif kind == "text":
-                events += text("message", _message, value)
+                events += self.text("message", _message, value)
             elif kind == "call":
-                events += add(_call(value, ""))
+                events += self.add(_call(value, ""))
             elif kind == "arguments":
-                events += arguments(value)
+                events += self.arguments(value)
             else:
                 for call in value:
-                    events += add(_call(call["name"], "")) + arguments(json.dumps(call["arguments"]))
+                    events += self.add(_call(call["name"], "")) + self.arguments(json.dumps(call["arguments"]))
         return events
+
+
+def _text_kind(item: dict) -> str:
+    return "output_text" if item["type"] == "message" else "reasoning_text"
+
+
+def _stream_format(request: web.Request, run, base: dict) -> StreamFormat:
+    parts = ReplyStream(run.tools, run.thinks, run.opened)
+    items = OutputItems()
 
     def head() -> list[dict]:
         started = _response(base, "in_progress", [])
-        return [event("response.created", response=started), event("response.in_progress", response=started)]
+        return [items.event("response.created", response=started), items.event("response.in_progress",
+                                                                                 response=started)]
 
     def piece(out) -> list[dict]:
-        return events_of(parts.feed(out.text)) + (events_of(parts.finish()) if out.finished else [])
+        return items.of(parts.feed(out.text)) + (items.of(parts.finish()) if out.finished else [])
 
     def tail(out) -> list[dict]:
-        events = add(_message("")) if not output else []
-        events += close()
-        final = _response(base, "completed", output, out)
-        return events + [event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                               response=final)]
+        events = (items.add(_message("")) if not items.output else []) + items.close()
+        final = _response(base, "completed", items.output, out)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return events + [items.event(kind, response=final)]
 
     def error(err) -> dict:
         body = error_body(request.path, err)["error"]
-        return event("error", code=body["code"] or body["type"], message=body["message"], param=body["param"])
+        return items.event("error", code=body["code"] or body["type"], message=body["message"], param=body["param"])
 
     return StreamFormat(sse=True, typed_events=True, head=head, piece=piece, tail=tail, error=error)
 

@@ -57,7 +57,7 @@ def effort(value, param: str, strict: bool = True) -> Thinking:
         return Thinking(param=param)
     if isinstance(value, bool):
         return Thinking(value, param=param, strict=strict)
-    if value in ("none",):
+    if value == "none":
         return Thinking(False, param=param)
     if value in EFFORT_BUDGETS:
         return Thinking(True, EFFORT_BUDGETS[value], param=param, strict=strict)
