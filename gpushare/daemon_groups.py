@@ -52,7 +52,7 @@ def plan_groups(settings: Settings, plans) -> list:
 
 def _need_bytes(settings: Settings, models, plans) -> dict[str, int]:
     """Weights (estimated from the file) plus one KV pool, for tensor_parallel: auto."""
-    from gpushare.models.weight_format import planned_weights
+    from gpushare.models.weight_format import resolve_weights
     from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 
     kind = "cuda" if any(w.torch_device == "cuda" for w in plans.workers) else "cpu"
@@ -60,7 +60,7 @@ def _need_bytes(settings: Settings, models, plans) -> dict[str, int]:
     for model in models:
         if model.tensor_parallel == "auto":
             count = count_tensors(model.path)
-            weights = planned_weights(model.weights or settings.engine.weights, kind, set(count.source_types))
+            weights = resolve_weights(model.weights or settings.engine.weights, kind, set(count.source_types))
             need[model.name] = estimate_weight_bytes(count, weights) + settings.memory.kv_budget_bytes
     return need
 

@@ -69,6 +69,14 @@ def _build(compiler: str, target: Path) -> None:
 
 
 @functools.cache
+def build_key() -> str:
+    """The key of this machine's build (source, flags, torch, compiler, CPU): what verdicts measured on
+    these kernels are kept against (models/cpu_kernels.py)."""
+    compiler = _compiler()
+    return library_path(compiler).stem.removeprefix("cpu-ops-") if compiler else "none"
+
+
+@functools.cache
 def loaded() -> bool:
     """Whether ``torch.ops.gpushare`` holds the C++ kernels (built first if this machine has none)."""
     compiler = _compiler()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpushare.models.cpu_kernels import quantized_kernel
+from gpushare.models.cpu_kernels import forget_verdicts
 
 
 def use_cpu_kernel(kernel: str, monkeypatch, request) -> None:
@@ -12,5 +12,5 @@ def use_cpu_kernel(kernel: str, monkeypatch, request) -> None:
     if kernel == "blocks" and not cpu_ops.loaded():
         pytest.skip("the C++ kernels do not build here")
     monkeypatch.setenv("GPUSHARE_CPU_QUANTIZED_KERNEL", kernel)
-    quantized_kernel.cache_clear()
-    request.addfinalizer(quantized_kernel.cache_clear)
+    forget_verdicts()
+    request.addfinalizer(forget_verdicts)

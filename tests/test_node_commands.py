@@ -67,6 +67,11 @@ def test_topo_on_this_machine(capsys):
     out = capsys.readouterr().out
     report = read_gpus()
     assert out.startswith("CPUs: ") and "CPU pinning:" in out
+    # the kernels' SIMD paths follow these flags, and the kept verdicts say what was measured
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    kernels = out[out.index("CPU kernels:"):].splitlines()
+    assert kernels[1].startswith("  SIMD flags: ") and ("avx2" in kernels[1].split()) == ("avx2" in flags)
+    assert kernels[2].startswith("  quantized linears: ") and kernels[3].startswith("  int8 prefill rows")
     if report.cpu_mode:  # this development machine: no NVIDIA driver
         assert f"GPUs: {report.reason}" in out and "CPU mode" in out
         assert "  engine cpu: CPUs " in out
@@ -89,7 +94,8 @@ def test_topo_dual_socket_server():
         "local CPUs 0-7,16-23",
         "    79.6 GiB (1 MiB used), compute 9.0, compute mode Default, MIG off, 0 process(es), utilisation 0%",
         "    MPS GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1: not running"]
-    assert lines[-7:] == [
+    pinning = lines.index("CPU pinning:")
+    assert lines[pinning:pinning + 7] == [
         "CPU pinning:",
         "  engine GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1: CPUs 0-3 (4 torch threads, NUMA node 0)",
         "  engine GPU-7c3cadbd-17e5-0913-f69b-c618122ea0cd: CPUs 4-7 (4 torch threads, NUMA node 0)",

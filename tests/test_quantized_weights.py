@@ -9,12 +9,10 @@ import torch
 
 from gpushare import LLM, SamplingParams
 from gpushare.config import ConfigError, parse_settings
-from gpushare.models.cpu_kernels import (known_cpu_weights, quantized_cpu_weights, quantized_kernel, verdict_file,
-                                         wide_int8_kernel)
+from gpushare.models.cpu_kernels import forget_verdicts, wide_int8_kernel
 from gpushare.models.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
 from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
-from gpushare.models.weight_format import planned_weights, resolve_weights
 from kernel_choice import use_cpu_kernel
 from model_files import gguf_to_hf_folder
 
@@ -69,19 +67,6 @@ def test_int4_falls_back_to_int8_with_a_logged_reason(caplog):
     assert "not a multiple of 32" in caplog.text and "odd.weight" in caplog.text
 
 
-def test_auto_picks_int4_for_4_bit_files_and_int8_for_others():
-    cpu_int8 = quantized_cpu_weights()  # int8 where faster than float32 here
-    blocks = quantized_kernel() == "blocks"
-    assert resolve_weights("auto", "cpu", {"Q4_1"}) == ("int4" if cpu_int8 == "int8" and blocks else cpu_int8)
-    assert resolve_weights("auto", "cpu", {"Q4_K", "Q6_K"}) == cpu_int8
-    assert resolve_weights("auto", "cpu", set()) == "float32"
-    assert resolve_weights("auto", "cuda", {"Q4_1", "Q4_0"}) == "int4"
-    assert resolve_weights("auto", "cuda", {"Q6_K"}) == "int8"
-    assert resolve_weights("auto", "cuda", set()) == "bfloat16"
-    with pytest.raises(ValueError, match="int3.*choose from auto, int8, int4"):
-        resolve_weights("int3", "cpu", set())
-
-
 def test_the_4_bit_test_leaves_the_embedding_and_output_out(smollm2_path):
     """The bundled file's layers are Q4_1 and its embedding Q8_0: a 4-bit file (both end up int8)."""
     from gpushare.models.gguf_reader import open_gguf
@@ -90,29 +75,6 @@ def test_the_4_bit_test_leaves_the_embedding_and_output_out(smollm2_path):
     _, tensors = open_gguf(smollm2_path)
     assert {t.tensor_type.name for t in tensors if t.name == "token_embd.weight"} == {"Q8_0"}
     assert matrix_types(tensors) == {"Q4_1"}
-
-
-def test_the_supervisors_plan_reads_the_kept_verdicts_and_never_measures(tmp_path, monkeypatch):
-    """planned_weights (the supervisor's estimates): this machine's kept CPU verdicts when there are
-    some, else int8 and the block kernel, and no timing run, which would leave a verdict behind."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for variable in ("GPUSHARE_CPU_WEIGHTS", "GPUSHARE_CPU_QUANTIZED_KERNEL", "GPUSHARE_KERNELS"):
-        monkeypatch.delenv(variable, raising=False)
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int4"
-    assert planned_weights("auto", "cpu", {"Q4_1", "Q8_0"}) == "int8"
-    assert known_cpu_weights() is None and not (tmp_path / "gpushare").exists()
-    assert planned_weights("auto", "cpu", set()) == "float32"
-    assert planned_weights("auto", "cuda", {"Q4_1"}) == "int4" and planned_weights("int4", "cpu", set()) == "int4"
-    (tmp_path / "gpushare").mkdir()
-    verdict_file("quantized-kernel").write_text("torch")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int8"  # torch's int4 kernel is no faster
-    kept = verdict_file("weights")
-    assert kept.parent == tmp_path / "gpushare"
-    kept.write_text("float32")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "float32"
-    monkeypatch.setenv("GPUSHARE_CPU_WEIGHTS", "int8")
-    monkeypatch.setenv("GPUSHARE_CPU_QUANTIZED_KERNEL", "blocks")
-    assert planned_weights("auto", "cpu", {"Q4_1"}) == "int4"
 
 
 def test_quantized_models_are_a_fraction_of_float32(smollm2_path):
@@ -156,9 +118,9 @@ def wide_int8(monkeypatch, request):
     this CPU's verdicts."""
     use_cpu_kernel("torch", monkeypatch, request)
     monkeypatch.setenv("GPUSHARE_CPU_WIDE_INT8", "bfloat16")
-    wide_int8_kernel.cache_clear()
+    forget_verdicts()
     yield
-    wide_int8_kernel.cache_clear()
+    forget_verdicts()
 
 
 @pytest.mark.usefixtures("wide_int8")
@@ -281,10 +243,16 @@ def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smol
 def test_the_wide_rows_verdict_measures_torchs_kernel_whatever_this_machine_runs(tmp_path, monkeypatch, request):
     """wide_int8_kernel times torch's int8 paths, which its Linear must hold even where the block kernel
     is this machine's choice (it packs weights otherwise, and has no plain int8 rows to time)."""
+    from gpushare.models import cpu_kernels
+    from gpushare.node.cpu_verdicts import read_verdict
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("GPUSHARE_CPU_WIDE_INT8", raising=False)
+    monkeypatch.setattr(cpu_kernels, "other_processes_cores", lambda: 0.0)  # measure even on a busy machine
+    monkeypatch.setattr(cpu_kernels, "layer_stack", lambda total_bytes: cpu_kernels.LAYER_SHAPES)  # one layer
     use_cpu_kernel("blocks", monkeypatch, request)
-    wide_int8_kernel.cache_clear()
-    request.addfinalizer(wide_int8_kernel.cache_clear)
-    assert wide_int8_kernel() in ("bfloat16", "int8pack")
-    assert verdict_file("wide-int8").read_text() == wide_int8_kernel()
+    totals, _ = cpu_kernels._measure_wide()
+    assert set(totals) == {"bfloat16", "int8pack"} and min(totals.values()) > 0
+    monkeypatch.setattr(cpu_kernels, "_measure_wide", lambda: (totals, 0.0))
+    assert wide_int8_kernel() == cpu_kernels.choose(totals, "bfloat16")
+    assert read_verdict("wide-int8").choice == wide_int8_kernel()

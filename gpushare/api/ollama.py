@@ -346,7 +346,7 @@ async def ps(request: web.Request) -> web.Response:
             "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
             "tensor_parallel": entry.engine.world_size, "devices": getattr(entry.engine, "members", [entry.device]),
             "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
-            "weights": entry.model.weights,
+            "weights": entry.model.weights, "kernel": entry.model.kernel,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),

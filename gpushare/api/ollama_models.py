@@ -71,6 +71,7 @@ async def show(request: web.Request) -> web.Response:
         "details": desc.details, "model_info": model_info,
         "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
+        "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
     }
     if preset.messages:
         answer["messages"] = preset.messages

@@ -174,7 +174,7 @@ class WorkerHost:
                                       vocab_widths(model.whole_config, self.spec.group.world_size))
         self.engine.add_model(message.name, model, share_weight=message.share_weight)
         self.loaded[message.name] = model
-        return m.Loaded(model.weights, model.weight_bytes, warm)
+        return m.Loaded(model.weights, model.weight_bytes, warm, model.kernel)
 
     def _unload(self, message: m.UnloadModel) -> None:
         self.engine.remove_model(message.name)
@@ -254,7 +254,7 @@ class FollowerHost:
         widths = vocab_widths(whole, self.spec.group.world_size)
         self.follower.add(message.name, FollowerModel(model.model, views, widths))
         self.loaded[message.name] = model
-        return m.Loaded(model.weights, model.weight_bytes, warm)
+        return m.Loaded(model.weights, model.weight_bytes, warm, model.kernel)
 
     def _unload(self, message: m.UnloadModel) -> None:
         self.follower.remove(message.name)

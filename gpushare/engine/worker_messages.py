@@ -122,6 +122,7 @@ class Loaded:
     weights: str  # the format it was built in
     weight_bytes: int
     warm: bool  # taken from the worker's warm tier
+    kernel: str  # the kernels its linears run on (LoadedModel.kernel)
 
 
 @dataclass

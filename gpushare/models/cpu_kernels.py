@@ -1,38 +1,42 @@
-"""Which CPU kernels run quantized weights here: measured, not assumed.
+"""Which CPU kernels run quantized weights here: a default that is right, and a measurement that can
+only move it when the gap is real.
 
-CPUs of one machine kind differ (AVX2-only, AVX-512 with VNNI and bf16, AMX), so three choices
-are timed on the CPU at hand rather than fixed: whether int8 weights beat float32 at all
-(``quantized_cpu_weights``: ``auto`` weights take int8 for a quantized file only where it wins);
-which kernel multiplies int8 and int4 weights (``quantized_kernel``: the C++ block kernel or
-torch's weight-only ones); and, on torch's, how wide prefill rows run (``wide_int8_kernel``).
-Each timing uses a small model's shapes and takes a fraction of a second; its verdict is kept for
-the process and in a small file per CPU model and torch version (``$XDG_CACHE_HOME/gpushare`` or
-``~/.cache/gpushare``; delete it to measure again), so that every process on the machine, the
-daemon and an offline ``LLM`` alike, loads a model in the same format and answers alike.
-``GPUSHARE_CPU_WEIGHTS=int8|float32``, ``GPUSHARE_CPU_QUANTIZED_KERNEL=blocks|torch`` and
-``GPUSHARE_CPU_WIDE_INT8=bfloat16|int8pack`` override them. torch is imported only to measure: the
-daemon's supervisor reads the kept verdicts (``known_cpu_weights``, ``known_quantized_kernel``)
-without loading it.
+A quantized file stays quantized on the CPU (weight_format): nothing here can make ``auto`` serve it
+dense. Two narrower choices are still timed on the CPU at hand, since machines of one kind differ
+(AVX2-only, AVX-512 with VNNI and bf16, AMX):
+- ``quantized_kernel``: "blocks" (kernels/cpu_qmatmul.cpp) or "torch" (torch's weight-only kernels);
+- ``wide_int8_kernel``: on torch's kernel, whether int8 rows of wide prefill chunks run on a
+  dequantized bfloat16 copy ("bfloat16") or on the decode kernel ("int8pack").
+
+Each is measured on a realistic size: a stack of a 1B-class model's layer matrices, larger than the
+last-level cache (as a served model's weights are), so memory-bound kernels are timed as they run.
+A difference under ``MARGIN`` keeps the default; a machine where other processes are using the CPU
+is not measured at all (the default serves, unkept, and the next load tries again). A verdict is
+kept (node/cpu_verdicts.py) with the kernels' build key it was measured on: a file that does not
+parse, names another build or an unknown choice is ignored (logged) and measured again.
+``GPUSHARE_CPU_QUANTIZED_KERNEL=blocks|torch`` and ``GPUSHARE_CPU_WIDE_INT8=bfloat16|int8pack``
+override them. torch is imported only to measure.
 """
 
-import functools
-import hashlib
-import importlib.metadata
 import logging
 import os
-import platform
-import tempfile
 import time
 from pathlib import Path
 
+from gpushare.node.cpu_verdicts import KERNEL_CHOICES, WIDE_CHOICES, Verdict, keep_verdict, read_verdict
+
 log = logging.getLogger("gpushare.models")
 
-CHOICES = ("int8", "float32")
-KERNEL_CHOICES = ("blocks", "torch")
-WIDE_CHOICES = ("bfloat16", "int8pack")
 WIDE_CHUNK_TOKENS = 64  # a prefill chunk this long is "wide": see wide_int8_kernel
-_WIDE_MEASURE_ROWS = 128  # near WIDE_CHUNK_TOKENS the two paths are even here, and timings too noisy to tell
-_SHAPES = [(960, 576), (3072, 576), (576, 1536)]  # (out, in): a small model's qkv, gate_up, down
+MARGIN = 0.10  # a measured gap below this fraction of the slower time keeps the default
+BUSY_CORES = 0.25  # other processes using more than this many cores make a measurement untrustworthy
+MIN_STACK_BYTES, MAX_STACK_BYTES = 64 << 20, 768 << 20
+# (out, in) of one layer of a 1B-class model: qkv, o, gate_up, down
+LAYER_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
+_WIDE_MEASURE_ROWS = 128  # near WIDE_CHUNK_TOKENS the two paths are even, and timings too noisy to tell
+
+_decided: dict[str, str] = {}  # this process's verdicts: measured, kept, forced, or provisional
+_provisional: set[str] = set()  # defaults taken on a busy machine: until the next model load
 
 
 def best_time_s(fn, reps: int = 20) -> float:
@@ -46,152 +50,193 @@ def best_time_s(fn, reps: int = 20) -> float:
     return best
 
 
-@functools.cache
-def quantized_cpu_weights() -> str:
-    """The faster format for a quantized file's weights on this CPU: "int8" or "float32"."""
-    return known_cpu_weights() or _keep(verdict_file("weights"), _measure())
-
-
-@functools.cache
 def quantized_kernel() -> str:
-    """Which kernel multiplies int8 and int4 weights on this CPU: "blocks" (kernels/cpu_qmatmul.cpp:
-    activations quantized to int8 in blocks of 32, integer dot products, AVX-512 VNNI where the CPU
-    has it) or "torch" (torch's weight-only kernels on bfloat16 activations). "torch" where the C++
-    kernels cannot be built or ``GPUSHARE_KERNELS`` picks a path; otherwise measured (int8 weights at
-    1 and 16 rows), kept like the weights verdict; ``GPUSHARE_CPU_QUANTIZED_KERNEL`` overrides it."""
+    """Which kernel multiplies int8 and int4 weights on this CPU: "blocks" (activations quantized to
+    int8 in blocks of 32, integer dot products, SIMD for the CPU's ISA) or "torch" (torch's
+    weight-only kernels on bfloat16 activations). "torch" where the C++ kernels cannot be built or
+    ``GPUSHARE_KERNELS`` picks a path; "blocks" unless measured clearly slower."""
     from gpushare.kernels import cpu_ops
 
     if os.environ.get("GPUSHARE_KERNELS") or not cpu_ops.loaded():
         return "torch"
-    return known_quantized_kernel() or _keep(verdict_file("quantized-kernel"), _measure_kernel())
+    return _decide("quantized-kernel", "GPUSHARE_CPU_QUANTIZED_KERNEL", KERNEL_CHOICES, "blocks",
+                   _measure_kernel, "CPU kernel for quantized weights")
+
+
+def wide_int8_kernel() -> str:
+    """How int8 linears on torch's kernel compute the rows of wide prefill chunks: "bfloat16" (the
+    weight dequantized to bfloat16 at each call, then a bfloat16 GEMM) or "int8pack" (the decode
+    kernel). ``_weight_int8pack_mm`` is the fastest at a few rows but falls behind as rows grow
+    (AVX-512 bf16, one layer's linears at 1,024 rows: 24.8 ms against 9.0 ms dequantized); where
+    bfloat16 is emulated the dequantized path may lose, hence the measurement (at 128 rows)."""
+    return _decide("wide-int8", "GPUSHARE_CPU_WIDE_INT8", WIDE_CHOICES, "bfloat16", _measure_wide,
+                   f"int8 linears over prefill chunks of {WIDE_CHUNK_TOKENS}+ tokens")
+
+
+def forget_verdicts() -> None:
+    """Drop this process's verdicts, so the next call reads the environment and the kept files anew."""
+    _decided.clear()
+    _provisional.clear()
+
+
+def measure_again_if_provisional() -> None:
+    """At a model load: defaults taken because the machine was busy may be measured now. Within one
+    load every linear gets the same answer (a verdict is asked once per linear)."""
+    for name in _provisional:
+        _decided.pop(name, None)
+    _provisional.clear()
 
 
 def known_quantized_kernel() -> str | None:
-    """The override or this machine's kept kernel verdict; None when neither exists yet."""
+    """The override or this machine's kept kernel verdict, without measuring; None when neither exists."""
     if os.environ.get("GPUSHARE_KERNELS"):
         return "torch"
-    return _known("GPUSHARE_CPU_QUANTIZED_KERNEL", "quantized-kernel", KERNEL_CHOICES)
+    forced = os.environ.get("GPUSHARE_CPU_QUANTIZED_KERNEL")
+    if forced in KERNEL_CHOICES:
+        return forced
+    kept = read_verdict("quantized-kernel")
+    return kept.choice if kept else None
 
 
-@functools.cache
-def wide_int8_kernel() -> str:
-    """How int8 linears compute the rows of wide prefill chunks on this CPU: "bfloat16" (the weight
-    dequantized to bfloat16 at each call, then a bfloat16 GEMM) or "int8pack" (the decode kernel).
-    ``_weight_int8pack_mm`` is the fastest at a few rows but falls behind as rows grow (measured on an
-    AVX-512 bf16 CPU, one layer's linears at 1,024 rows: 24.8 ms against 9.0 ms dequantized); where
-    bfloat16 is emulated the dequantized path may lose, hence the measurement (at 128 rows; at 64 the
-    two are even here). Kept like the weights verdict; ``GPUSHARE_CPU_WIDE_INT8`` overrides it."""
-    return _known("GPUSHARE_CPU_WIDE_INT8", "wide-int8", WIDE_CHOICES) or _keep(verdict_file("wide-int8"),
-                                                                                _measure_wide())
-
-
-def known_cpu_weights() -> str | None:
-    """The override or this machine's kept verdict; None when neither exists yet (nothing measured)."""
-    return _known("GPUSHARE_CPU_WEIGHTS", "weights", CHOICES)
-
-
-def _known(variable: str, name: str, choices: tuple[str, ...]) -> str | None:
-    """The choice the environment ``variable`` forces, else the machine's kept verdict on ``name``."""
+def _decide(name: str, variable: str, choices: tuple[str, ...], default: str, measure, what: str) -> str:
+    if name in _decided:
+        return _decided[name]
     forced = os.environ.get(variable)
     if forced in choices:
+        _decided[name] = forced
         return forced
+    build_key = kernels_build_key()
+    kept = read_verdict(name, build_key)
+    if kept is not None:
+        _decided[name] = kept.choice
+        return kept.choice
+    if (busy := other_processes_cores()) > BUSY_CORES:
+        log.info("%s: %s, the default (not measured: other processes use %.1f cores; measured at a later load)",
+                 what, default, busy)
+        return _provisionally(name, default)
+    totals, busy = measure()
+    if busy > BUSY_CORES:
+        log.info("%s: %s, the default (the measurement was disturbed: other processes used %.1f cores)",
+                 what, default, busy)
+        return _provisionally(name, default)
+    choice = choose(totals, default)
+    log.info("%s: %s (%s)", what, choice, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
+    _decided[name] = keep_verdict(name, Verdict(choice, build_key, {k: round(v * 1e6, 1) for k, v in totals.items()},
+                                         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
+    return _decided[name]
+
+
+def _provisionally(name: str, default: str) -> str:
+    _decided[name] = default
+    _provisional.add(name)
+    return default
+
+
+def choose(totals_s: dict[str, float], default: str) -> str:
+    """The fastest choice in ``totals_s``, unless it beats ``default`` by less than ``MARGIN``."""
+    fastest = min(totals_s, key=totals_s.get)
+    if fastest != default and totals_s[default] - totals_s[fastest] < MARGIN * totals_s[default]:
+        return default
+    return fastest
+
+
+def kernels_build_key() -> str:
+    """The key of the C++ kernels' build this process runs ("none" where they are not loaded)."""
+    from gpushare.kernels import cpu_ops
+
+    return cpu_ops.build_key() if cpu_ops.loaded() else "none"
+
+
+def other_processes_cores(window_s: float = 0.2) -> float:
+    """Cores' worth of CPU time the machine's other processes used over ``window_s``."""
+    start = _cpu_seconds()
+    time.sleep(window_s)
+    return _others_since(start)
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, the machine's busy CPU seconds, this process's CPU seconds); None without /proc."""
     try:
-        known = verdict_file(name).read_text().strip()
-    except OSError:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
         return None
-    return known if known in choices else None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    mine = os.times()
+    return (time.monotonic(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+            mine.user + mine.system)
 
 
-def verdict_file(name: str) -> Path:
-    """Where this machine's verdict on ``name`` is kept: one file per CPU model and torch version."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
-    except (OSError, StopIteration):
-        pass
-    # torch's version from its package metadata (the same string as torch.__version__), not torch
-    key = hashlib.sha256(f"{cpu.strip()}|{importlib.metadata.version('torch')}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpushare"
-    return cache / f"cpu-kernel-{name}-{key}"
+def _others_since(start: tuple[float, float, float] | None) -> float:
+    end = _cpu_seconds()
+    if start is None or end is None or end[0] <= start[0]:
+        return 0.0
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
 
 
-def _keep(verdict: Path, choice: str) -> str:
-    """Store `choice` unless another process stored its own first; return the stored one."""
-    try:
-        verdict.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=verdict.parent, delete=False) as f:
-            f.write(choice)
+def stack_bytes() -> int:
+    """The weights' bytes a measurement runs over: 1.5x the last-level cache, within bounds."""
+    largest = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            os.link(f.name, verdict)  # fails if it exists: the first verdict stands
-        except FileExistsError:
-            choice = verdict.read_text().strip() or choice
-        finally:
-            os.unlink(f.name)
-    except OSError as e:
-        log.warning("cannot keep the CPU kernel choice in %s (%s): other processes may measure another", verdict, e)
-    return choice
+            size = (index / "size").read_text().strip()
+            largest = max(largest, int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0))
+        except (OSError, ValueError):
+            continue
+    return min(MAX_STACK_BYTES, max(MIN_STACK_BYTES, largest * 3 // 2))
 
 
-def _fastest(totals: dict[str, float], what: str, timed: str) -> str:
-    """The choice with the least time in ``totals`` (seconds), logged with every choice's time."""
-    choice = min(totals, key=totals.get)
-    log.info("%s: %s (%s: %s)", what, choice, timed, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in totals.items()))
-    return choice
+def layer_stack(total_bytes: int) -> list[tuple[int, int]]:
+    """Matrix shapes of whole layers (``LAYER_SHAPES``) until their int8 bytes reach ``total_bytes``."""
+    shapes = []
+    while sum(n * k for n, k in shapes) < total_bytes:
+        shapes += LAYER_SHAPES
+    return shapes
 
 
-def _measure() -> str:
-    import torch
-
-    from gpushare.models.linear import Linear
-    from gpushare.models.quantized import quantize_int8
-
-    gen = torch.Generator().manual_seed(0)
-    totals = {"int8": 0.0, "float32": 0.0}
-    for n, k in _SHAPES:
-        w = torch.randn(n, k, generator=gen) / 50
-        int8, dense = Linear(k, n, bias=False), Linear(k, n, bias=False)
-        int8.set_quantized(quantize_int8(w), "cpu")  # on the kernel this CPU runs int8 with
-        dense.set_dense(w)
-        x = torch.randn(1, k, generator=gen)
-        totals["int8"] += best_time_s(lambda: int8(x))
-        totals["float32"] += best_time_s(lambda: dense(x))
-    return _fastest(totals, "CPU weights for quantized files", "batch-1 linears")
-
-
-def _measure_kernel() -> str:
+def _measure_kernel() -> tuple[dict[str, float], float]:
+    """Seconds per pass over the stack for each kernel at 1 and 16 rows; other processes' cores meanwhile."""
     import torch
 
     from gpushare.kernels import cpu_qmatmul
-    from gpushare.models.quantized import quantize_int8
 
     gen = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in layer_stack(stack_bytes()):
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scales = torch.rand(n, generator=gen) / 1000
+        weights.append((n, qweight, cpu_qmatmul.pack_int8(qweight), scales, scales.bfloat16()))
+    start = _cpu_seconds()
     totals = {"blocks": 0.0, "torch": 0.0}
-    for n, k in _SHAPES:
-        w = quantize_int8(torch.randn(n, k, generator=gen) / 50)
-        codes, scales_bf16 = cpu_qmatmul.pack_int8(w.qweight), w.scales.bfloat16()
-        for rows in (1, 16):
-            x = torch.randn(rows, k, generator=gen)
-            totals["blocks"] += best_time_s(lambda: cpu_qmatmul.matmul(x, codes, w.scales, None, n))
-            totals["torch"] += best_time_s(
-                lambda: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w.qweight, scales_bf16).float())
-    return _fastest(totals, "CPU kernel for quantized weights", "int8 linears at 1 and 16 rows")
+    for rows in (1, 16):
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {w[1].shape[1] for w in weights}}
+        totals["blocks"] += best_time_s(lambda: [cpu_qmatmul.matmul(xs[q.shape[1]], codes, s, None, n)
+                                                 for n, q, codes, s, _ in weights], reps=3)
+        totals["torch"] += best_time_s(lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s16)
+                                                for _, q, _, _, s16 in weights], reps=3)
+    return totals, _others_since(start)
 
 
-def _measure_wide() -> str:
+def _measure_wide() -> tuple[dict[str, float], float]:
+    """Seconds per pass over the stack for each wide-row path at 128 rows; other processes' cores meanwhile."""
     import torch
 
     from gpushare.models.linear import Linear
     from gpushare.models.quantized import Int8Weight
 
     gen = torch.Generator().manual_seed(0)
-    totals = {"bfloat16": 0.0, "int8pack": 0.0}
-    for n, k in _SHAPES:
+    linears = []
+    for n, k in layer_stack(stack_bytes()):
         linear = Linear(k, n, bias=False)
         linear.set_quantized(Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
                                         torch.rand(n, generator=gen) / 1000), "cpu", cpu_kernel="torch")
-        x = torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16()
-        totals["bfloat16"] += best_time_s(lambda: linear._int8_wide(x, _WIDE_MEASURE_ROWS))
-        totals["int8pack"] += best_time_s(lambda: torch.ops.aten._weight_int8pack_mm(x, linear.qweight,
-                                                                                    linear.scales_bf16))
-    return _fastest(totals, f"int8 linears over prefill chunks of {WIDE_CHUNK_TOKENS}+ tokens",
-                    f"at {_WIDE_MEASURE_ROWS} rows")
+        linears.append(linear)
+    xs = {k: torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16() for k in {lin.in_features for lin in linears}}
+    start = _cpu_seconds()
+    totals = {
+        "bfloat16": best_time_s(lambda: [lin._int8_wide(xs[lin.in_features], _WIDE_MEASURE_ROWS) for lin in linears],
+                                reps=3),
+        "int8pack": best_time_s(lambda: [torch.ops.aten._weight_int8pack_mm(xs[lin.in_features], lin.qweight,
+                                                                           lin.scales_bf16) for lin in linears], reps=3),
+    }
+    return totals, _others_since(start)

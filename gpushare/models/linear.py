@@ -72,6 +72,15 @@ class Linear(nn.Module):
                                                                self.scales_and_zeros).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def kernel(self) -> str:
+        """The kernel this linear runs on, as listings name it (``gpushare ps``, ``/api/show``)."""
+        if self.blocks:
+            return "cpu-blocks"
+        if self.format in ("int8", "int4"):
+            return "triton" if next(self.buffers()).is_cuda else f"torch-{self.format}pack"
+        return "onednn" if self.format == "onednn" else "torch-dense"
+
     def set_dense(self, weight: torch.Tensor) -> None:
         self.weight = nn.Parameter(weight, requires_grad=False)
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():

@@ -10,10 +10,11 @@ import torch
 
 from gpushare import kernels
 from gpushare.models.config import config_from_gguf, config_from_hf
-from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
+from gpushare.models.cpu_kernels import measure_again_if_provisional, quantized_kernel, wide_int8_kernel
 from gpushare.models.gguf_file import read_tensors
 from gpushare.models.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
+from gpushare.models.linear import Linear
 from gpushare.models.llama import build_model
 from gpushare.models.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
                                         matrix_types)
@@ -97,6 +98,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     its ``config`` then has the rank's heads and MLP channels. The whole file is read first.
     """
     torch_dtype = resolve_dtype(dtype)
+    measure_again_if_provisional()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
@@ -115,7 +117,17 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
             wide_int8_kernel()
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
+                       kernel=linear_kernels(model),
                        whole_config=whole_config if tensor_parallel is not None else None)
+
+
+def linear_kernels(model) -> str:
+    """The kernels a built model's linears run on, most weights first ("cpu-blocks", "onednn", ...)."""
+    weights_by_kernel: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            weights_by_kernel[module.kernel] = weights_by_kernel.get(module.kernel, 0) + module.in_features * module.out_features
+    return "+".join(sorted(weights_by_kernel, key=weights_by_kernel.get, reverse=True))
 
 
 def return_freed_memory() -> None:

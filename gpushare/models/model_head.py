@@ -33,6 +33,7 @@ class LoadedModel:
     device: str
     metadata: dict = field(default_factory=dict)
     weights: str = "float32"  # the weight format it was built in (gpushare.models.weight_format)
+    kernel: str = ""  # the kernels its linears run on (models/linear.Linear.kernel), once built
     _template: object = None
     grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
     whole_config: ModelConfig | None = None  # tensor parallel: the whole model's (``config`` is this rank's)

@@ -11,21 +11,17 @@ each device, and what becomes of each tensor as the file is read.
   lm_head and embedding in int8, since the output projection is where 4 bits cost the most
   quality and int8 keeps it within noise (docs/benchmarks.md, perplexity).
 
-``auto``: for a 4-bit source (every quantized tensor Q4_* or IQ4_*) int4, which keeps its
-blocks as they are, on CUDA and on a CPU that runs the block kernel (cpu_kernels.quantized_kernel:
-there int4 measured faster than int8 at every batch size, and closer to float32's perplexity);
-for other quantized sources int8 (on the CPU where it measures faster than float32, float32
-otherwise); for dense sources float32 on the CPU, bfloat16 on CUDA.
+``auto``: a quantized source stays quantized on every device, since a quantized kernel runs
+everywhere (on the CPU the C++ block kernel, or torch's weight-only kernels where it cannot be built):
+int4 for a 4-bit source (every quantized tensor Q4_* or IQ4_*), which keeps its blocks as they are,
+int8 for other quantized sources. A dense source is float32 on the CPU and bfloat16 on CUDA. Dense
+float32 for a quantized file is the user's choice (``weights: float32``), never a measurement's:
+one disturbed timing once served a 4-bit file dense, at a third of the speed and six times the
+memory (docs/benchmarks.md).
 
-Torch-free: the daemon's supervisor plans memory with ``planned_weights``, which never measures
-(the process that loads the model, an engine worker, resolves for real with ``resolve_weights``);
-``models/quantized.quantize`` converts the tensors.
+Torch-free and measurement-free: the daemon's supervisor plans memory with the same
+``resolve_weights`` the worker loads with; ``models/quantized.quantize`` converts the tensors.
 """
-
-from typing import Callable
-
-from gpushare.models.cpu_kernels import (known_cpu_weights, known_quantized_kernel, quantized_cpu_weights,
-                                         quantized_kernel)
 
 INT4_GROUP_SIZE = 32  # GGUF's block: Q4_0/Q4_1 convert exactly at this size
 WEIGHT_FORMATS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")
@@ -34,37 +30,19 @@ _OUTPUT_MATRICES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def resolve_weights(setting: str, device: str, source_types: set[str]) -> str:
-    """The concrete format for a model whose linear weights are stored as ``source_types``
-    (GGUF type names, or torch dtype names for safetensors). On the CPU ``auto`` may time the
-    kernels once per machine (cpu_kernels): for the process that loads."""
-    return _resolve(setting, device, source_types, quantized_cpu_weights, lambda: quantized_kernel() == "blocks")
-
-
-def planned_weights(setting: str, device: str, source_types: set[str]) -> str:
-    """``resolve_weights`` without timing anything, for the supervisor's size estimates and listings:
-    on the CPU ``auto`` takes this machine's kept verdicts where there are some, else guesses that
-    int8 and the block kernel win. A wrong guess costs only the first estimate: the registry replaces
-    it with the loaded model's real size, and the worker, which resolves for real, keeps the verdicts."""
-    return _resolve(setting, device, source_types, lambda: known_cpu_weights() or "int8",
-                    lambda: (known_quantized_kernel() or "blocks") == "blocks")
-
-
-def _resolve(setting: str, device: str, source_types: set[str], cpu_quantized: Callable[[], str],
-             cpu_blocks: Callable[[], bool]) -> str:
+    """The concrete format for a model whose linear weights are stored as ``source_types`` (GGUF type
+    names, or torch dtype names for safetensors). Nothing is measured: the supervisor's plan and the
+    worker's load agree by construction."""
     if setting not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {setting!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if setting != "auto":
         return setting
     quantized_types = source_types - _DENSE_GGUF_TYPES - {"float32", "bfloat16", "float16"}
-    four_bit = bool(quantized_types) and all(t.startswith(("Q4", "IQ4")) for t in quantized_types)
-    if not device.startswith("cuda"):
-        if not quantized_types:
-            return "float32"
-        chosen = cpu_quantized()
-        return "int4" if chosen == "int8" and four_bit and cpu_blocks() else chosen
-    if four_bit:
+    if quantized_types and all(t.startswith(("Q4", "IQ4")) for t in quantized_types):
         return "int4"
-    return "int8" if quantized_types else "bfloat16"
+    if quantized_types:
+        return "int8"
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def target_of(name: str, weights: str) -> str | None:

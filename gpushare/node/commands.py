@@ -20,6 +20,7 @@ from typing import Callable
 
 import yaml
 
+from gpushare.node import cpu_verdicts
 from gpushare.node import mig as mig_layout
 from gpushare.node import mps as mps_daemons
 from gpushare.node.affinity import PinningPlan, plan_pinning
@@ -100,14 +101,20 @@ def topo(ctx: NodeContext, out, as_json: bool = False) -> int:
         return 2
     mps_state, mps_notes = _mps_state(ctx, report)
     if as_json:
+        cpuinfo = str(Path(ctx.sysfs_root) / "proc/cpuinfo")
         json.dump({"topology": _topology_json(topology), "nvml": asdict(report), "pinning": asdict(pinning),
-                   "mps": [{"uuid": s.target.uuid, "running": s.running, "detail": s.detail} for s in mps_state]},
+                   "mps": [{"uuid": s.target.uuid, "running": s.running, "detail": s.detail} for s in mps_state],
+                   "cpu_kernels": {"simd_flags": cpu_verdicts.simd_flags(cpuinfo),
+                                   "verdicts": {name: v and asdict(v) for name, v in cpu_verdicts.kept_verdicts().items()}}},
                   out, indent=2)
         print(file=out)
         return 0
     _print_topology(topology, out)
     _print_gpus(topology, report, mps_state, mps_notes, out)
     _print_pinning(pinning, out)
+    print("CPU kernels:", file=out)
+    for line in cpu_verdicts.describe(str(Path(ctx.sysfs_root) / "proc/cpuinfo")):
+        print(f"  {line}", file=out)
     return 0
 
 

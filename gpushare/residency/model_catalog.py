@@ -144,7 +144,7 @@ class ModelDescription:
     model_info: dict  # GGUF-style keys: general.architecture, <arch>.context_length, ...
     template: str | None
     context_length: int
-    source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.planned_weights)
+    source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.resolve_weights)
 
 
 def describe_model(config, template: str | None, info: dict, parameter_count: int | None) -> ModelDescription:

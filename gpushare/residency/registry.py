@@ -31,7 +31,7 @@ from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, M
                                            describe_files, describe_model, model_sources)
 from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
 from gpushare.model_options import ModelPreset
-from gpushare.models.weight_format import planned_weights
+from gpushare.models.weight_format import resolve_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
@@ -164,7 +164,12 @@ class Registry:
         if entry is not None:
             return entry.model.weights
         desc = await self.describe(name)
-        return planned_weights(self.residency.weights_of(source), self.device_kind, set(desc.source_types))
+        return resolve_weights(self.residency.weights_of(source), self.device_kind, set(desc.source_types))
+
+    def kernel(self, name: str) -> str | None:
+        """The kernels `name`'s linears run on while it is loaded (LoadedModel.kernel); None otherwise."""
+        entry = self.residency.loaded.get(self.find(name).name)
+        return entry.model.kernel if entry is not None else None
 
     # ------------------------------------------------------------------ create / remove
 

@@ -34,7 +34,7 @@ from gpushare.residency.memory_budget import Resident, count_tensors, estimate_w
 from gpushare.residency.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
 from gpushare.residency.worker_client import WorkerDied
-from gpushare.models.weight_format import planned_weights
+from gpushare.models.weight_format import resolve_weights
 
 log = logging.getLogger("gpushare.registry")
 
@@ -334,7 +334,7 @@ class Residency:
                 count = await asyncio.to_thread(count_tensors, source.path)
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f'failed to load model "{source.name}": {e}') from e
-            weights = planned_weights(self.weights_of(source), self.kind(device), set(count.source_types))
+            weights = resolve_weights(self.weights_of(source), self.kind(device), set(count.source_types))
             per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
             self._sizes[key] = (per_rank_bytes, count.parameters)
         return self._sizes[key]

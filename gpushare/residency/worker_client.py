@@ -194,8 +194,8 @@ class WorkerClient:
         the model's text side for this process, its weight bytes and whether it came warm. Blocking."""
         head = warm or load_model_head(path, weights, dtype, self.spec.config.device)
         loaded = self.build(name, path, dtype, weights, share_weight, progress, warm_key if warm else None)
-        head.weights = loaded.weights
-        head.metadata["weights"] = loaded.weights
+        head.weights, head.kernel = loaded.weights, loaded.kernel
+        head.metadata["weights"], head.metadata["kernel"] = loaded.weights, loaded.kernel
         return head, loaded.weight_bytes, loaded.warm
 
     def build(self, name: str, path: str, dtype: str, weights: str, share_weight: float, progress,
