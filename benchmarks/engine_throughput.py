@@ -41,9 +41,9 @@ def run_ours(path, dtype, convs, lengths, threads):
     samples = []
 
     def on_step(eng):
-        pool = eng.workers[name].scheduler.pool
+        pool = eng.models[name].scheduler.pool
         filled = {}  # block -> token slots written; prefix-cached blocks are shared, so count each once
-        for seq in eng.workers[name].scheduler.running:
+        for seq in eng.models[name].scheduler.running:
             for i, block in enumerate(seq.block_table):
                 used = min(pool.block_size, max(0, seq.num_computed - i * pool.block_size))
                 filled[block] = max(filled.get(block, 0), used)

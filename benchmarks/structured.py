@@ -56,7 +56,7 @@ class GrammarTimer:
 
 def run_case(llm, timer, concurrency: int, constrained: bool, max_tokens: int) -> dict:
     from gpushare import SamplingParams
-    from gpushare.engine.constraints import StructuredOutput
+    from gpushare.protocol.structured_output import StructuredOutput
 
     structured = StructuredOutput(json_schema=SCHEMA) if constrained else None
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, structured=structured)
@@ -94,16 +94,18 @@ def main():
     from gpushare import LLM, SamplingParams
 
     from gpushare.engine import constraints
+    from gpushare.protocol import structured_output
+    from gpushare.protocol.structured_output import StructuredOutput
 
     llm = LLM(path, num_threads=args.threads, max_num_seqs=16)
     importlib.import_module("jsonschema")  # imported by the first check; not part of a schema's cost
 
     start = time.perf_counter()
-    constraints.check_schema(SCHEMA)
+    structured_output.check_schema(SCHEMA)
     compile_ms = 1000 * (time.perf_counter() - start)
-    constraints.new_matcher(llm.model, constraints.StructuredOutput(json_schema=SCHEMA))  # builds the vocabulary
+    constraints.new_matcher(llm.model, StructuredOutput(json_schema=SCHEMA))  # builds the vocabulary
     start = time.perf_counter()
-    constraints.new_matcher(llm.model, constraints.StructuredOutput(json_schema=SCHEMA))
+    constraints.new_matcher(llm.model, StructuredOutput(json_schema=SCHEMA))
     matcher_ms = 1000 * (time.perf_counter() - start)
     print(f"schema compile {compile_ms:.1f} ms (once per schema text); matcher {matcher_ms:.2f} ms per request")
     timer = GrammarTimer()

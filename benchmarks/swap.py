@@ -25,13 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.model_files
 
+import torch  # noqa: E402
+
 from gpushare.api.streaming import EngineStream, checked_request  # noqa: E402
-from gpushare.config import ModelEntry, Settings  # noqa: E402
+from gpushare.settings.settings import ModelEntry, Settings  # noqa: E402
 from gpushare.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes  # noqa: E402
 from gpushare.residency.registry import Registry  # noqa: E402
-from gpushare.engine.sampling_params import SamplingParams  # noqa: E402
-from gpushare.residency.devices import LocalDevice
+from gpushare.protocol.sampling_params import SamplingParams  # noqa: E402
+from gpushare.engine.local_device import LocalDevice  # noqa: E402
 
 KV_BUDGET = 48 << 20  # the engine's KV pool, shared by the loaded models (counted once in the budget)
 TOPICS = ["the ocean", "volcanoes", "tea", "bridges", "black holes", "honey bees"]
@@ -46,7 +48,9 @@ def make_registry(engine, models: dict[str, str], budget_bytes: int, host_cache_
     settings.memory.max_loaded_models = 3
     settings.memory.host_cache_bytes = host_cache_bytes
     settings.server.max_queued = 64
-    return Registry({device: LocalDevice(engine)}, settings, dtype=dtype)
+    # On a GPU the registry's default budget needs the device's memory, which the daemon has from NVML.
+    memory_total_bytes = {device: torch.cuda.mem_get_info(torch.device(device))[1]} if device.startswith("cuda") else None
+    return Registry({device: LocalDevice(engine)}, settings, dtype=dtype, memory_total_bytes=memory_total_bytes)
 
 
 async def timed(coro) -> float:
@@ -91,7 +95,7 @@ async def mixed_traffic(engine, models: dict[str, str], budget_bytes: int, clien
             model = lease.model
             ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": f"Tell me about {topic}."}]),
                                          add_special_tokens=False)
-            with EngineStream(lease.engine, checked_request(lease, ids, params, "default", None)) as stream:
+            with EngineStream(lease.device, checked_request(lease, ids, params, "default", None)) as stream:
                 async for out in stream:
                     tokens += len(out.token_ids)
 

@@ -76,7 +76,7 @@ def start_daemon(config_of, workdir: Path) -> tuple[subprocess.Popen, str, Path]
     config.write_text(yaml.safe_dump(config_of(port, workdir / "models")))
     log = workdir / "daemon.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUSHARE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "gpushare.cli", "serve", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "gpushare.cli.main", "serve", "--config", str(config)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}", log
 
@@ -248,7 +248,7 @@ def parse_with_model(p: argparse.ArgumentParser, argv: list[str] | None) -> argp
     """The arguments, with --model-path defaulting to the bundled SmolLM2-135M."""
     args = p.parse_args(argv)
     if args.model_path is None:
-        from gpushare.config import bundled_model
+        from gpushare.settings.settings import bundled_model
 
         entry = bundled_model()
         if entry is None:

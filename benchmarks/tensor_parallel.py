@@ -70,7 +70,7 @@ def _rank(rank: int, init_file: str, reps: int, out_file: str) -> None:
     import torch.nn.functional as F
 
     from gpushare.engine.tensor_parallel import Forward, all_reduce, broadcast_op, gather_logits, join_group
-    from gpushare.engine.worker_messages import GroupSpec
+    from gpushare.protocol.messages import GroupSpec
     from gpushare.models.llama import AttentionBatch
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from gpushare.engine.sampling_params import SamplingParams
+        from gpushare.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'gpushare' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.passing_threads import in_passing_thread
-from gpushare.engine.sampling_params import SamplingParams
+from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.models.loader import load_model
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.catalog.gguf_reader import read_gguf_file
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
 WINDOW = 8  # sliding windows: prompts and answers run well past it
@@ -97,7 +97,7 @@ def save_gemma3_multimodal(folder: str, tokenizer_gguf: str, seed: int = 0) -> s
 
 
 def _write_tokenizer(folder: str, tokenizer_gguf: str) -> None:
-    from gpushare.models.tokenizer import tokenizer_from_gguf
+    from gpushare.catalog.tokenizer import tokenizer_from_gguf
 
     meta, _ = read_gguf_file(tokenizer_gguf)
     tokenizer = tokenizer_from_gguf(meta)

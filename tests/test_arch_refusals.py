@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from arch_models import hf_to_gguf, save_hf_model
-from gpushare.models.config import config_from_gguf, config_from_hf
+from gpushare.catalog.model_config import config_from_gguf, config_from_hf
 from gpushare.models.loader import load_model
 
 LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,

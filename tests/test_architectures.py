@@ -62,7 +62,7 @@ def test_last_position_logits_match_transformers(arch_model, source):
     loaded = load_model(folder if source == "safetensors" else gguf_path, weights="float32")
     engine = Engine(EngineConfig(block_size=BLOCK_SIZE, kv_cache_bytes=1 << 20, weights="float32"))  # float32 KV
     engine.add_model(arch, loaded)
-    worker = engine.workers[arch]
+    worker = engine.models[arch]
     ids = prompts[2]
     seq = Sequence("logits", arch, ids, greedy(), lambda out: None)
     assert worker.scheduler.pool.grow(seq.block_table, len(ids)) is None
@@ -92,7 +92,7 @@ def step_by_step(loaded, prompt: list[int], steps: int):
     """Drive one sequence through the scheduler and runner; yields (seq, pool) after every step."""
     engine = Engine(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=8, kv_cache_bytes=1 << 20))
     engine.add_model("m", loaded)
-    worker = engine.workers["m"]
+    worker = engine.models["m"]
     seq = Sequence("s", "m", prompt, greedy(steps), lambda out: None)
     worker.scheduler.add(seq)
     while len(seq.output_ids) < steps:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from daemon_fixture import GPUSHARE, MODEL, free_port, serving
 
-from gpushare import SamplingParams, cli
+from gpushare import SamplingParams
+from gpushare.cli import main as cli
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpushare.config import (BUNDLED_MODEL_NAME, ConfigError, load_settings, parse_duration_s, parse_host,
+from gpushare.settings.settings import (BUNDLED_MODEL_NAME, ConfigError, load_settings, parse_duration_s, parse_host,
                              parse_settings, parse_size_bytes)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

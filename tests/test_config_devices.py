@@ -3,7 +3,7 @@ refused with the key named."""
 
 import pytest
 
-from gpushare.config import ConfigError, parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 
 GPU0 = "GPU-b42dd28e-ffdd-8720-1df0-98bd8cdc05b1"  # of the 8xH100 capture
 MIG = "MIG-1d5f8a42-6c0e-5b2a-9f31-0a7d4c2b8e61"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpushare.config import ConfigError, parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 
 
 def test_ollama_variables_set_their_keys():

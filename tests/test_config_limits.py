@@ -3,8 +3,8 @@ and errors that never show a tenant's secret (they reach the journal and systemd
 
 import pytest
 
-from gpushare.config import ConfigError, load_settings, parse_duration_s, parse_settings
-from gpushare.limit_settings import LimitSettings
+from gpushare.settings.settings import ConfigError, load_settings, parse_duration_s, parse_settings
+from gpushare.settings.limit_settings import LimitSettings
 
 SECRET = "plain-secret-123"
 

@@ -9,7 +9,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from arch_models import hf_to_gguf, save_hf_model
 from gpushare import LLM, SamplingParams
 from gpushare.models.dequant import FAST, FP16_OFFSETS, dequantize
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.catalog.gguf_reader import read_gguf_file
 from gpushare.models.loader import read_gguf
 from gpushare.models.quantized import Int4Weight, int4_from_gguf
 from kquants import quantize_q4_k, quantize_q6_k

@@ -189,8 +189,8 @@ def test_a_request_in_flight_when_its_worker_dies_is_a_503_with_retry_after(two_
 
 
 def test_a_device_outside_the_process_affinity_is_a_config_error(tmp_path, smollm2_path):
-    from gpushare.config import ConfigError, parse_settings
-    from gpushare.daemon import check_kv_dtype
+    from gpushare.settings.settings import ConfigError, parse_settings
+    from gpushare.daemon.serve import check_kv_dtype
 
     outside = max(os.sched_getaffinity(0)) + 1
     settings = parse_settings({"models": [], "engine": {"devices": [f"cpu:{outside}"]}}, env={})
@@ -219,8 +219,8 @@ def plan_for(report_gpus, tree: str, devices=None, node=None):
 
 
 def test_an_eight_gpu_node_gets_one_worker_per_gpu_with_its_uuid_and_local_cpus():
-    from gpushare.config import parse_settings
-    from gpushare.daemon import worker_clients
+    from gpushare.settings.settings import parse_settings
+    from gpushare.daemon.serve import worker_clients
 
     settings = parse_settings({"models": [], "memory": {"kv_budget": "1GiB"}}, env={})
     plans = plan_for(h100_node_gpus(), "xeon-2s-8xh100")
@@ -234,8 +234,8 @@ def test_an_eight_gpu_node_gets_one_worker_per_gpu_with_its_uuid_and_local_cpus(
 
 
 def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
-    from gpushare.config import parse_settings
-    from gpushare.daemon import worker_clients
+    from gpushare.settings.settings import parse_settings
+    from gpushare.daemon.serve import worker_clients
     from gpushare.node.settings import parse_node_settings
 
     node = parse_node_settings({"mps": {"enabled": True}})
@@ -253,8 +253,8 @@ def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
 def test_a_gpu_nodes_default_budget_is_90_percent_of_each_devices_memory_as_nvml_reports_it():
     """The supervisor learns device memory from the worker plan (NVML), not from CUDA, which it never
     loads: on a 7-instance MIG A100 the budget is 90% of one instance's memory."""
-    from gpushare.config import parse_settings
-    from gpushare.daemon import worker_clients
+    from gpushare.settings.settings import parse_settings
+    from gpushare.daemon.serve import worker_clients
     from gpushare.residency.registry import Registry
 
     settings = parse_settings({"models": []}, env={})
@@ -266,9 +266,9 @@ def test_a_gpu_nodes_default_budget_is_90_percent_of_each_devices_memory_as_nvml
 
 
 def test_a_worker_sends_one_message_per_burst_of_outputs_and_only_its_newest_snapshot():
-    from gpushare.engine import worker_messages as m
-    from gpushare.engine.engine_stats import EngineSnapshot, EngineStats
-    from gpushare.engine.sequence import RequestOutput
+    from gpushare.protocol import messages as m
+    from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats
+    from gpushare.protocol.outputs import RequestOutput
     from gpushare.engine.worker import coalesce
 
     def out(rid: str) -> m.Outputs:

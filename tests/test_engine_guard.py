@@ -13,9 +13,9 @@ import torch
 
 from gpushare import SamplingParams
 from gpushare.engine import engine as engine_module
-from gpushare.engine.request import EmbedRequest, EngineFailed
+from gpushare.protocol.request import EmbedRequest, EngineFailed
 from gpushare.engine.sampling import sample
-from gpushare.engine.sampling_params import SamplingFailure
+from gpushare.protocol.sampling_params import SamplingFailure
 from test_engine import PROMPTS, chat_ids, greedy, small_engine
 
 

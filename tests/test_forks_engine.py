@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import jsonschema
 
 from gpushare import SamplingParams
-from gpushare.engine.constraints import StructuredOutput
+from gpushare.protocol.structured_output import StructuredOutput
 from test_engine import PROMPTS, chat_ids, greedy, small_engine
 
 SCHEMA = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
@@ -54,7 +54,7 @@ def test_n_answers_equal_single_answers_and_share_prompt_blocks(llm):
     single = llm.generate([prompt], greedy(6))[0].token_ids
     engine = small_engine(llm, 64)
     used = []
-    engine.on_step = lambda eng: used.append(eng.workers["m"].scheduler.pool.num_used)
+    engine.on_step = lambda eng: used.append(eng.models["m"].scheduler.pool.num_used)
     answers = Answers(3)
     engine.submit(engine.request("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)), answers)
     with running(engine):
@@ -70,8 +70,8 @@ def test_a_fork_without_a_free_block_waits_and_computes_its_prompt(llm):
     single = llm.generate([prompt], greedy(6))[0].token_ids
     engine = small_engine(llm, 6)
     queues = []
-    engine.on_step = lambda eng: queues.append((len(eng.workers["m"].scheduler.running),
-                                                len(eng.workers["m"].scheduler.waiting)))
+    engine.on_step = lambda eng: queues.append((len(eng.models["m"].scheduler.running),
+                                                len(eng.models["m"].scheduler.waiting)))
     answers, hogged = Answers(3), Answers(1)
     engine.submit(engine.request("m", hog, greedy(8)), hogged)
     engine.submit(engine.request("m", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)), answers)

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_fixture import MODEL, Daemon, http, long_stream, serving, wait_for, write_config
-from gpushare.config import ConfigError, parse_settings
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.settings.settings import ConfigError, parse_settings
+from gpushare.protocol.tenant_policy import TenantPolicy
 from test_engine import chat_ids, greedy, small_engine
 
 CHAT_KEY, BATCH_KEY, OPS_KEY = "chat-gw-key", "batch-gw-key", "ops-gw-key"

@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from gpushare.models.config import config_from_gguf
-from gpushare.models.gguf_reader import GGUFError, open_gguf
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.catalog.model_config import config_from_gguf
+from gpushare.catalog.gguf_reader import GGUFError, open_gguf
+from gpushare.catalog.gguf_reader import read_gguf_file
 
 STRING, ARRAY, UINT32 = 8, 9, 4
 F32 = 0

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from gpushare.api.gateway_metrics import GATEWAY_METRICS_PATH
-from gpushare.config import parse_settings
+from gpushare.settings.settings import parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"

@@ -69,7 +69,7 @@ class TwoModels:
 
     def _watch(self, engine):
         for name in ("a", "b"):
-            self.peak[name] = max(self.peak[name], engine.workers[name].scheduler.pool.num_used)
+            self.peak[name] = max(self.peak[name], engine.models[name].scheduler.pool.num_used)
         if self.on_peak is not None and self.peak["a"] > 90:
             on_peak, self.on_peak = self.on_peak, None
             on_peak()
@@ -83,7 +83,7 @@ class TwoModels:
             if out.token_ids and key not in self.first_token_at:
                 self.first_token_at[key] = self.engine.steps
                 if model == "b" and self.a_running_when_b_started is None:
-                    self.a_running_when_b_started = len(self.engine.workers["a"].scheduler.running)
+                    self.a_running_when_b_started = len(self.engine.models["a"].scheduler.running)
             if out.finished:
                 with self.lock:
                     self.results[key] = (tokens, out.finish_reason, out.error)
@@ -115,8 +115,8 @@ def test_a_busy_model_borrows_an_idle_ones_share_and_gives_it_back(llm):
     # B was served while A's streams still ran: A gave blocks back, B did not wait for A to finish
     assert run.a_running_when_b_started > 0
     assert max(run.done_at["b", i] for i in range(6)) < max(run.done_at["a", i] for i in range(40))
-    assert run.peak["b"] > 0 and run.engine.workers["b"].scheduler.num_preemptions == 0
-    assert run.engine.workers["a"].scheduler.num_preemptions > 0
+    assert run.peak["b"] > 0 and run.engine.models["b"].scheduler.num_preemptions == 0
+    assert run.engine.models["a"].scheduler.num_preemptions > 0
 
 
 def test_idle_models_give_their_slabs_back(llm):

@@ -38,9 +38,9 @@ def test_random_llama_matches_transformers(smollm2_path, tmp_path):
     ids = [1, 2, 3, 400, 500, 600, 7000]
     engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=1 << 20))
     engine.add_model("tiny", ours)
-    runner = engine.workers["tiny"].runner
+    runner = engine.models["tiny"].runner
     seq = Sequence("x", "tiny", ids, greedy(), lambda out: None)
-    assert engine.workers["tiny"].scheduler.pool.grow(seq.block_table, len(ids)) is None
+    assert engine.models["tiny"].scheduler.pool.grow(seq.block_table, len(ids)) is None
     hidden, last = runner.hidden_states([seq], [len(ids)])
     got = ours.model.logits(hidden)
     expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(torch.tensor([ids])).logits[0]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpushare.model_options import ModelPreset, parameters_text
-from gpushare.modelfile import ModelfileError, format_modelfile, parse_modelfile
+from gpushare.settings.model_options import ModelPreset, parameters_text
+from gpushare.catalog.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
 FULL = '''# comment
 from /models/pet.gguf

@@ -20,12 +20,12 @@ import pytest
 
 from gpushare import LLM
 from gpushare.api.streaming import EngineStream, checked_request
-from gpushare.config import ModelEntry, Settings
+from gpushare.settings.settings import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.memory_budget import count_tensors, estimate_weight_bytes
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError
-from gpushare.engine.sampling_params import SamplingParams
-from gpushare.residency.devices import LocalDevice
+from gpushare.protocol.sampling_params import SamplingParams
+from gpushare.engine.local_device import LocalDevice
 from tests.daemon_fixture import GPUSHARE, http, spawn_daemon, wait_for
 from tests.model_files import gguf_to_hf_folder, random_llama_folder
 
@@ -95,7 +95,7 @@ async def chat(reg: Registry, name: str, prompt: str, params: SamplingParams, st
         model = lease.model
         prompt_ids = model.tokenizer.encode(model.render_chat(messages(prompt)), add_special_tokens=False)
         ids = []
-        with EngineStream(lease.engine, checked_request(lease, prompt_ids, params, "default", None)) as stream:
+        with EngineStream(lease.device, checked_request(lease, prompt_ids, params, "default", None)) as stream:
             async for out in stream:
                 assert out.finish_reason not in ("abort", "error"), f"{name}: {out.error}"
                 ids += out.token_ids
@@ -122,7 +122,7 @@ class BudgetWatch:
 
     async def run(self):
         while True:
-            held = self.engine.kv_pool.capacity_bytes + sum(w.loaded.weight_bytes for w in list(self.engine.workers.values()))
+            held = self.engine.kv_pool.capacity_bytes + sum(w.loaded.weight_bytes for w in list(self.engine.models.values()))
             self.peak_bytes = max(self.peak_bytes, held)
             await asyncio.sleep(0.005)
 
@@ -206,7 +206,7 @@ def test_two_busy_models_share_engine_steps(engine, folders, tmp_path):
     enough = threading.Event()
 
     def count(eng):  # the engine thread, after every step
-        steps = {n: eng.workers[n].steps if n in eng.workers else 0 for n in shared_steps}
+        steps = {n: eng.models[n].steps if n in eng.models else 0 for n in shared_steps}
         if last["both_busy"]:  # both had work when this step's model was picked
             for n in shared_steps:
                 shared_steps[n] += steps[n] - last["steps"][n]
@@ -289,7 +289,7 @@ def test_pinned_weight_and_live_settings(engine, folders, tmp_path):
         await reg.load("other")
         await reg.load("third")  # evicts "other", though "pinned" was used less recently
         assert {e.name for e in reg.loaded()} == {"pinned", "third"}
-        assert engine.workers["pinned"].share_weight == 3.0 and engine.workers["third"].share_weight == 1.0
+        assert engine.models["pinned"].share_weight == 3.0 and engine.models["third"].share_weight == 1.0
         with pytest.raises(RegistrationError, match="pinned"):
             await reg.unload("pinned")
 

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import (XEON_GPUS, FakeGpu, FakeNvml, Recorded, ReplayRunner, h100_node_gpus, recorded,  # noqa: E402
                         sysfs_root)
 
+from gpushare.cli import node as node_cli  # noqa: E402
 from gpushare.node import commands  # noqa: E402
 from gpushare.node.commands import NodeContext  # noqa: E402
 from gpushare.node.gpu import read_gpus  # noqa: E402
@@ -25,7 +26,7 @@ CPU_MODE = "CPU mode: NVML is not available (NVML Shared Library Not Found); no 
 
 def parser():
     root = argparse.ArgumentParser(prog="gpushare")
-    commands.add_node_parser(root.add_subparsers(dest="command", required=True))
+    node_cli.add_node_parser(root.add_subparsers(dest="command", required=True))
     return root
 
 
@@ -278,7 +279,7 @@ def test_plan_reads_engine_devices_from_the_config(tmp_path, capsys):
 
 
 def test_plan_shows_the_tensor_parallel_groups_and_refusals():
-    from gpushare.config import ModelEntry
+    from gpushare.settings.settings import ModelEntry
 
     ctx = xeon_context()
     ctx.runner.script["nvidia-smi topo -m"] = [recorded("4gpu-mixed-pcie_nvidia-smi-topo-m.txt")]

@@ -15,7 +15,7 @@ from daemon_fixture import GPUSHARE, MODEL, http, serving
 from ollama_store_fixture import add_model, tree_digest
 
 from gpushare import SamplingParams
-from gpushare.modelfile import parse_modelfile
+from gpushare.catalog.modelfile import parse_modelfile
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence."
 QUESTION = "What is the capital of France?"

@@ -65,8 +65,8 @@ def test_last_position_logits_agree(llm, hf_model):
     ids = llm.tokenizer.encode(llm.model.render_chat(conv))
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0, -1]
-    pool = llm.engine.workers[llm.model_name].scheduler.pool
-    runner = llm.engine.workers[llm.model_name].runner
+    pool = llm.engine.models[llm.model_name].scheduler.pool
+    runner = llm.engine.models[llm.model_name].runner
     from gpushare.engine.sequence import Sequence
 
     seq = Sequence("logits-check", llm.model_name, ids, greedy(), lambda out: None)

@@ -8,7 +8,7 @@ import torch
 
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_pool import kv_bytes_per_block
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.protocol.tenant_policy import TenantPolicy
 from test_engine import PROMPTS, chat_ids, greedy
 
 FLOOD_PROMPTS = PROMPTS[:4]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpushare import LLM, SamplingParams
-from gpushare.config import ConfigError, parse_settings
+from gpushare.settings.settings import ConfigError, parse_settings
 from gpushare.models.cpu_kernels import forget_verdicts, wide_int8_kernel
-from gpushare.models.gguf_reader import read_gguf_file
+from gpushare.catalog.gguf_reader import read_gguf_file
 from gpushare.models.loader import load_model
 from gpushare.models.quantized import Int8Weight, int4_from_gguf, quantize, quantize_int4, quantize_int8
 from kernel_choice import use_cpu_kernel
@@ -69,8 +69,8 @@ def test_int4_falls_back_to_int8_with_a_logged_reason(caplog):
 
 def test_the_4_bit_test_leaves_the_embedding_and_output_out(smollm2_path):
     """The bundled file's layers are Q4_1 and its embedding Q8_0: a 4-bit file (both end up int8)."""
-    from gpushare.models.gguf_reader import open_gguf
-    from gpushare.models.model_head import matrix_types
+    from gpushare.catalog.gguf_reader import open_gguf
+    from gpushare.catalog.model_head import matrix_types
 
     _, tensors = open_gguf(smollm2_path)
     assert {t.tensor_type.name for t in tensors if t.name == "token_embd.weight"} == {"Q8_0"}
@@ -190,8 +190,8 @@ def test_quantized_stays_close_to_float32(llm, smollm2_path, weights):
         engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=8 << 20))
         engine.add_model(name, loaded)
         seq = Sequence("x", name, ids, greedy(), lambda out: None)
-        assert engine.workers[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
-        hidden, _ = engine.workers[name].runner.hidden_states([seq], [len(ids)])
+        assert engine.models[name].scheduler.pool.grow(seq.block_table, len(ids)) is None
+        hidden, _ = engine.models[name].runner.hidden_states([seq], [len(ids)])
         argmax[name] = loaded.model.logits(hidden).argmax(dim=-1)
     agreement = (argmax[weights] == argmax["float32"]).float().mean().item()
     assert agreement >= 0.9, agreement
@@ -226,14 +226,14 @@ def test_unknown_weights_value_is_a_config_error_naming_the_key(section, smollm2
 def test_blocks_quantize_a_few_thousand_rows_at_a_time_with_the_same_result(smollm2_path, target, monkeypatch):
     """The Q8_0 embedding (49,152 rows) goes to int8 or int4 in slices of rows, equal to converting it whole."""
     from gpushare.models import gguf_file
-    from gpushare.models.gguf_reader import open_gguf
+    from gpushare.catalog.gguf_reader import open_gguf
 
     _, tensors = open_gguf(smollm2_path)
     embedding = next(t for t in tensors if t.name == "token_embd.weight")
     shape = [int(d) for d in reversed(embedding.shape)]
     whole = quantize("w", gguf_file._dense(embedding.data, "Q8_0", shape), target)
     monkeypatch.setattr(gguf_file, "QUANTIZE_ROWS", 5000)  # ten slices, the last one short
-    monkeypatch.setattr("gpushare.models.weight_format.target_of", lambda name, weights: target)
+    monkeypatch.setattr("gpushare.protocol.weight_format.target_of", lambda name, weights: target)
     sliced = gguf_file._convert(embedding, "w", shape, target)
     assert type(sliced) is type(whole) and torch.equal(sliced.qweight, whole.qweight)
     assert torch.equal(sliced.scales, whole.scales)

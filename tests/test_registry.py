@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from gpushare.config import ModelEntry, Settings
+from gpushare.settings.settings import ModelEntry, Settings
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.residency.registry import ModelLoadError, ModelNotFound, Registry, RegistrationError, RegistryFull
-from gpushare.residency.devices import LocalDevice
+from gpushare.engine.local_device import LocalDevice
 
 
 class CountingLoader:
@@ -271,7 +271,7 @@ def test_a_model_loads_on_its_device_else_where_the_least_work_is(two_engines, t
         async with reg.use("pinned") as pinned:
             async with reg.use("a") as a:  # cpu:1 has a request in flight: cpu:0 has less work
                 async with reg.use("b") as b:  # one request each now: the first device in order
-                    return pinned.entry.device, a.entry.device, b.entry.device
+                    return pinned.entry.device_name, a.entry.device_name, b.entry.device_name
 
     assert asyncio.run(main()) == ("cpu:1", "cpu:0", "cpu:0")
     assert loaded_names(two_engines[0]) == {"a", "b"} and loaded_names(two_engines[1]) == {"pinned"}
@@ -290,7 +290,7 @@ def test_a_model_with_replicas_gets_a_copy_per_device_and_requests_spread(two_en
             async with reg.use("r") as second:  # the copy with nothing outstanding
                 second.hold_tokens(100)
                 async with reg.use("r") as third:  # 100 tokens outstanding there, 500 on the first copy
-                    devices = [first.entry.device, second.entry.device, third.entry.device]
+                    devices = [first.entry.device_name, second.entry.device_name, third.entry.device_name]
         await reg.unload("r")
         return devices
 
@@ -318,22 +318,22 @@ def test_a_dead_device_loses_its_models_and_loads_wait_until_it_is_back(two_engi
         healthy["cpu:0"] = True
         reg.device_back("cpu:0")
         lease = await asyncio.wait_for(waiting, 10)
-        return lease.entry.device
+        return lease.entry.device_name
 
     assert asyncio.run(main()) == "cpu:0"
 
 
 def test_a_tenant_kv_limit_counts_across_devices(two_engines, llm):
-    """What the tenant holds on one device comes off its kv_limit on the other (NodeEngines)."""
-    from gpushare.engine.sampling_params import SamplingParams
-    from gpushare.engine.tenants import TenantPolicy
-    from gpushare.residency.node_engines import NodeEngines
+    """What the tenant holds on one device comes off its kv_limit on the other (NodeDevices)."""
+    from gpushare.protocol.sampling_params import SamplingParams
+    from gpushare.protocol.tenant_policy import TenantPolicy
+    from gpushare.residency.node_devices import NodeDevices
 
     devices = {f"cpu:{i}": LocalDevice(e, name=f"cpu:{i}") for i, e in enumerate(two_engines)}
     for e in two_engines:
         e.add_model("m", llm.model)
     per_token = two_engines[0].stats().models["m"].block_bytes // 16
-    node = NodeEngines(devices)
+    node = NodeDevices(devices)
     node.set_tenants([TenantPolicy("t", kv_limit_bytes=200 * per_token, kv_limit_tokens=300), TenantPolicy("free")])
     assert two_engines[1].tenant_policies["t"].kv_limit_bytes == 200 * per_token  # nothing held anywhere yet
 
@@ -400,7 +400,7 @@ def test_a_gpu_with_ecc_errors_is_marked_unhealthy_and_gets_no_new_model(two_eng
             xids.close()
         async with reg.use("a") as a:  # cpu:0 would have been first in order, with no work either side
             async with reg.use("b") as b:  # cpu:1 now has a request: still not the faulty one
-                return a.entry.device, b.entry.device
+                return a.entry.device_name, b.entry.device_name
 
     assert asyncio.run(main()) == ("cpu:1", "cpu:1")
     assert not supervisor.healthy("cpu:0") and supervisor.healthy("cpu:1")

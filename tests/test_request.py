@@ -1,10 +1,10 @@
-"""The one request validator (engine/request.check_request): the max_tokens rule and what it refuses,
+"""The one request validator (protocol/request.check_request): the max_tokens rule and what it refuses,
 naming the field."""
 
 import pytest
 
-from gpushare.engine.request import ModelLimits, RequestError, check_embed, check_request, usable_context
-from gpushare.engine.sampling_params import SamplingParams
+from gpushare.protocol.request import ModelLimits, RequestError, check_embed, check_request, usable_context
+from gpushare.protocol.sampling_params import SamplingParams
 
 # A model with an 8,192-token context whose device pool holds 4,096 of its tokens, 1 KiB per token.
 LIMITS = ModelLimits(vocab_size=100, context_length=8192, pool_tokens=4096, block_size=16, bytes_per_token=1024,

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from gpushare.models.model_head import stop_ids
-from gpushare.models.tokenizer import tokenizer_from_gguf
+from gpushare.catalog.model_head import stop_ids
+from gpushare.catalog.tokenizer import tokenizer_from_gguf
 
 spm = pytest.importorskip("sentencepiece")
 

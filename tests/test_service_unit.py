@@ -57,7 +57,7 @@ def test_unit_declares_the_service_contract():
 
 
 def test_example_config_is_accepted_by_the_daemon(monkeypatch):
-    from gpushare.config import load_settings
+    from gpushare.settings.settings import load_settings
 
     for name in ("GPUSHARE_HOST", "GPUSHARE_MODELS", "GPUSHARE_KEEP_ALIVE"):
         monkeypatch.delenv(name, raising=False)

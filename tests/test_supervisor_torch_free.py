@@ -10,17 +10,24 @@ import sys
 
 import pytest
 from daemon_fixture import MODEL, http, serving
+from test_import_rule import SUPERVISOR, package_modules, package_of
 
 SUPERVISOR_RSS_LIMIT_BYTES = 160 << 20  # measured 91 MiB after these requests; 272 MiB with torch loaded
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 
 
-def test_the_daemon_modules_import_without_torch():
-    code = ("import sys, gpushare.daemon, gpushare.api.app, gpushare.cli; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'llguidance.torch'))))")
+def test_the_supervisor_packages_import_without_torch():
+    """Every module of the supervisor's packages and of the protocol (tests/test_import_rule.py reads
+    their imports) imported in one process: no torch module, and no libtorch mapped into it."""
+    names = sorted(n for n in package_modules() if package_of(n) in (*SUPERVISOR, "protocol"))
+    code = ("import importlib, sys\n"
+            "import gpushare.api, gpushare.residency, gpushare.catalog, gpushare.cli\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'llguidance.torch'))),\n"
+            "      'libtorch' in open('/proc/self/maps').read())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "[] False", out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")

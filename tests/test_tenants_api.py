@@ -20,9 +20,9 @@ from gpushare import cli
 from gpushare.api.context import ApiContext
 from gpushare.api.errors import ApiError
 from gpushare.api.tenants import apply_tenant_settings
-from gpushare.config import parse_settings
-from gpushare.residency.devices import LocalDevice
-from gpushare.residency.node_engines import NodeEngines
+from gpushare.settings.settings import parse_settings
+from gpushare.engine.local_device import LocalDevice
+from gpushare.residency.node_devices import NodeDevices
 
 BOB_KEY = "bob-key"
 TENANTS = [
@@ -232,7 +232,7 @@ def test_reload_applies_new_limits_live_and_keeps_admitted_requests():
              "kv_limit": "1GiB"} for n in names]}, env={})
 
     engine = Engine()
-    ctx = ApiContext(NodeEngines({"cpu": LocalDevice(engine)}), registry=None, settings=settings(2, 0))
+    ctx = ApiContext(NodeDevices({"cpu": LocalDevice(engine)}), registry=None, settings=settings(2, 0))
 
     async def scenario():
         apply_tenant_settings(ctx, ctx.settings)
@@ -277,7 +277,7 @@ def test_without_tenants_everyone_is_the_default_tenant_and_needs_no_key():
 
     settings = parse_settings({"models": []}, env={})
     devices = {"cpu": LocalDevice(Engine())}
-    app = build_app(ApiContext(NodeEngines(devices), Registry(devices, settings, dtype="float32"), settings))
+    app = build_app(ApiContext(NodeDevices(devices), Registry(devices, settings, dtype="float32"), settings))
 
     async def scenario():
         async with TestClient(TestServer(app)) as client:

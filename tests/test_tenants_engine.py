@@ -8,8 +8,8 @@ import torch
 from gpushare import SamplingParams
 from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.kv_pool import kv_bytes_per_block
-from gpushare.engine.request import EmbedRequest, KVCacheBusy
-from gpushare.engine.tenants import TenantPolicy
+from gpushare.protocol.request import EmbedRequest, KVCacheBusy
+from gpushare.protocol.tenant_policy import TenantPolicy
 from test_engine import chat_ids
 
 SYSTEM = ("You are a meticulous assistant for a shipping company. Answer questions about parcels, "
@@ -145,7 +145,7 @@ def test_reservation_is_available_at_once_while_a_flooder_fills_the_rest(llm):
     vip, vip_sent = chat_ids(llm, "Hi"), []
 
     def watch(eng):
-        sched = eng.workers["m"].scheduler
+        sched = eng.models["m"].scheduler
         if any(s.tenant == "vip" for s in sched.running) and not flood_waiting_when_vip_ran:
             flood_waiting_when_vip_ran.append(sum(s.tenant == "flood" for s in sched.waiting))
         assert sched.pool.tenant_blocks("flood") <= 30 - reserved_blocks
@@ -177,7 +177,7 @@ def test_weighted_fair_share_of_computed_tokens(llm):
     window = []
 
     def watch(eng):
-        sched = eng.workers["m"].scheduler
+        sched = eng.models["m"].scheduler
         waiting = {s.tenant for s in sched.waiting}
         if {"light", "heavy"} <= waiting:
             window.append((eng.ledger.computed_tokens.get("light", 0), eng.ledger.computed_tokens.get("heavy", 0)))

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 
 from gpushare import SamplingParams
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.request import GenerationRequest
-from gpushare.engine.worker_messages import GroupSpec, WorkerSpec
-from gpushare.models.config import ModelConfig
-from gpushare.models.model_head import read_model_info
-from gpushare.models.tensor_split import split_model
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.protocol.request import GenerationRequest
+from gpushare.protocol.messages import GroupSpec, WorkerSpec
+from gpushare.catalog.model_config import ModelConfig
+from gpushare.catalog.model_head import read_model_info
+from gpushare.catalog.tensor_split import split_model
 from gpushare.residency.group_client import GroupClient
 from gpushare.residency.worker_client import WorkerClient
 from tests.test_oracle import PROMPTS

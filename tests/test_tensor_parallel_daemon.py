@@ -136,9 +136,9 @@ def test_a_gpu_group_rank_sees_its_group_in_rank_order_and_runs_on_its_own(tmp_p
     only among the GPUs a process sees, so each sees the group's four, and runs on the rank-th."""
     from test_devices import h100_node_gpus, plan_for
 
-    from gpushare.config import parse_settings
-    from gpushare.daemon import engine_config
-    from gpushare.daemon_groups import group_clients
+    from gpushare.settings.settings import parse_settings
+    from gpushare.daemon.serve import engine_config
+    from gpushare.daemon.groups import group_clients
     from gpushare.node.gpu_links import GpuLinks
     from gpushare.node.tp_groups import plan_tp_groups
 

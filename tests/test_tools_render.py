@@ -7,9 +7,9 @@ import json
 import pytest
 
 from gpushare.api.tools import (ReplyFilter, ToolSpec, parse_calls, render_messages, template_handles_tools)
-from gpushare.models.gguf_reader import read_gguf_file
-from gpushare.models.model_head import LoadedModel
-from gpushare.models.tokenizer import tokenizer_from_gguf
+from gpushare.catalog.gguf_reader import read_gguf_file
+from gpushare.catalog.model_head import LoadedModel
+from gpushare.catalog.tokenizer import tokenizer_from_gguf
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import (XEON_GPUS, FakeNvml, Recorded, ReplayRunner, h100_node_gpus, h100_with_mig,  # noqa: E402
                         recorded, sysfs_root)
 
-from gpushare.config import ModelEntry  # noqa: E402
+from gpushare.settings.settings import ModelEntry  # noqa: E402
 from gpushare.node.devices import plan_workers  # noqa: E402
 from gpushare.node.gpu import read_gpus  # noqa: E402
 from gpushare.node.gpu_links import GpuLinks, link_rank, parse_topo_matrix, read_gpu_links  # noqa: E402

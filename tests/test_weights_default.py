@@ -16,7 +16,7 @@ from daemon_fixture import GPUSHARE, MODEL, http, serving
 
 from gpushare.models import cpu_kernels
 from gpushare.models.loader import load_model
-from gpushare.models.weight_format import resolve_weights
+from gpushare.protocol.weight_format import resolve_weights
 from gpushare.node import cpu_verdicts
 
 Q8_MODEL = "tiny-q8:latest"

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError
-from gpushare.config_values import parse_host
+from gpushare.settings.values import parse_host
 
 DEFAULT_ORIGINS = tuple(f"{scheme}://{host}{port}" for host in ("localhost", "127.0.0.1", "[::1]")
                         for scheme in ("http", "https") for port in ("", ":*")) + (

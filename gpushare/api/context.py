@@ -1,4 +1,4 @@
-"""What every handler needs: the engine, the registry, the settings; and prompt encoding."""
+"""What every handler needs: the node's devices, the registry, the settings; and prompt encoding."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gpushare.api.errors import bad_request
-from gpushare.config import Settings
+from gpushare.settings.settings import Settings
+from gpushare.residency.node_devices import NodeDevices
 from gpushare.residency.registry import Registry
 
 
 @dataclass
 class ApiContext:
-    engine: object  # every device's engine as one (residency/node_engines.NodeEngines): node-wide stats
+    node: NodeDevices  # every device's engine as one: node-wide stats, tenant policies, liveness
     registry: Registry
     settings: Settings  # replaced whole by a config reload (SIGHUP)
     started_at: float = field(default_factory=time.time)

@@ -12,7 +12,7 @@ from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
-from gpushare.engine.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
+from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
@@ -29,7 +29,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         timings.load_s = lease.load_duration_s
         if not inputs:
             return [], timings
-        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.engine.tenant_policies)
+        model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.node.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists = []
         encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
@@ -48,7 +48,7 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         embed = EmbedRequest(lease.entry.name, token_lists, ticket.tenant)
         try:
             check_embed(token_lists, model_limits, tenant_limit_bytes, ticket.tenant)
-            vectors = await asyncio.wrap_future(lease.engine.embed(embed))
+            vectors = await asyncio.wrap_future(lease.device.embed(embed))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:

@@ -9,8 +9,8 @@ from aiohttp import web
 
 from gpushare.api.errors import bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, json_depth_over, limits_of
-from gpushare.config import ConfigError, parse_duration_s
-from gpushare.config_values import MAX_DURATION_S
+from gpushare.settings.settings import ConfigError, parse_duration_s
+from gpushare.settings.values import MAX_DURATION_S
 
 JSON_BODY = "gpushare.json_body"  # request key: the body read_json_object parsed (metrics labels refusals by it)
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from gpushare.engine.tenants import PRIORITIES
+from gpushare.protocol.tenant_policy import PRIORITIES
 
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"

@@ -37,7 +37,7 @@ class GatewayCollector:
                       "pool (1 = full)")
         config = gauge("vllm:cache_config_info", "The model's KV cache pool: tokens per block, blocks",
                        ("block_size", "num_gpu_blocks"))
-        for name, m in self.ctx.engine.stats().models.items():
+        for name, m in self.ctx.node.stats().models.items():
             waiting.add_metric([name], m.waiting)
             running.add_metric([name], m.running)
             usage.add_metric([name], m.blocks_used / m.blocks_total if m.blocks_total else 0.0)

@@ -53,10 +53,10 @@ def device_rows(ctx) -> list[dict]:
 
 async def health(request: web.Request) -> web.Response:
     ctx = context(request)
-    silent_s = time.monotonic() - ctx.engine.last_tick_s
-    alive = engine_alive(ctx.engine, ctx.engine_stall_s)
-    body = {"status": "ok" if alive else "engine stopped" if ctx.engine.failure else "engine stalled",
-            "engine_last_tick_s_ago": round(silent_s, 3), **_failure(ctx.engine)}
+    silent_s = time.monotonic() - ctx.node.last_tick_s
+    alive = engine_alive(ctx.node, ctx.engine_stall_s)
+    body = {"status": "ok" if alive else "engine stopped" if ctx.node.failure else "engine stalled",
+            "engine_last_tick_s_ago": round(silent_s, 3), **_failure(ctx.node)}
     devices = device_rows(ctx)
     if devices:
         body["devices"] = devices
@@ -69,8 +69,8 @@ def _failure(engine) -> dict:
 
 async def ready(request: web.Request) -> web.Response:
     ctx = context(request)
-    if ctx.engine.failure:
-        return web.json_response({"status": "engine failed", **_failure(ctx.engine)}, status=503)
+    if ctx.node.failure:
+        return web.json_response({"status": "engine failed", **_failure(ctx.node)}, status=503)
     return web.json_response({"status": ctx.phase}, status=200 if ctx.phase == "serving" else 503)
 
 

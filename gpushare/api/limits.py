@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
-from gpushare.limit_settings import LimitSettings
+from gpushare.settings.limit_settings import LimitSettings
 
 
 def limits_of(request: web.Request) -> LimitSettings:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
-from gpushare.engine.constraints import grammar_vocab
-from gpushare.engine.sampling_params import MAX_LOGPROBS
+from gpushare.catalog.model_head import grammar_vocab
+from gpushare.protocol.sampling_params import MAX_LOGPROBS
 
 
 def requested(body: dict) -> int | None:

@@ -27,7 +27,7 @@ class MemoryReport:
 def memory_report(ctx) -> MemoryReport:
     loaded = ctx.registry.loaded()
     weights = sum(e.weight_bytes for e in loaded)
-    stats = ctx.engine.stats()
+    stats = ctx.node.stats()
     rss = psutil.Process().memory_info().rss
     for device in ctx.registry.devices.values():
         for pid in getattr(device, "pids", [device.pid]):  # a tensor-parallel group: every rank
@@ -38,5 +38,5 @@ def memory_report(ctx) -> MemoryReport:
             except psutil.Error:  # it just died; the supervisor restarts it
                 pass
     on_host = sum(e.weight_bytes + getattr(stats.models.get(e.name), "kv_committed_bytes", 0) for e in loaded
-                  if e.engine.config.device == "cpu")
+                  if e.device.config.device == "cpu")
     return MemoryReport(rss, weights, stats.kv_pool_bytes, stats.kv_committed_bytes, max(0, rss - on_host))

@@ -38,7 +38,7 @@ from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
 from gpushare.api.tenants import INFERENCE_PATHS, TENANT, check_admin
 from gpushare.residency.registry import ModelNotFound
-from gpushare.engine.sequence import RequestOutput
+from gpushare.protocol.outputs import RequestOutput
 from gpushare.node.gpu import read_gpus as read_nvml_gpus
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -167,7 +167,7 @@ class StateCollector:
         yield GaugeMetricFamily("gpushare_http_requests_in_flight", "API requests being handled",
                                 value=self.ctx.in_flight)
         yield GaugeMetricFamily("gpushare_engine_last_tick_age_seconds", "Since the engine loop last turned",
-                                value=max(0.0, time.monotonic() - self.ctx.engine.last_tick_s))
+                                value=max(0.0, time.monotonic() - self.ctx.node.last_tick_s))
         yield from self._gpu_families()
         yield from self._memory_families()
         yield from self._device_families()
@@ -191,7 +191,7 @@ class StateCollector:
             healthy.add_metric([name], 1 if supervisor.healthy(name) and client.alive() else 0)
             restarts.add_metric([name], supervisor.status[name].restarts)
             tick_age.add_metric([name], max(0.0, now_s - client.last_tick_s))
-            models.add_metric([name], sum(1 for e in self.ctx.registry.loaded() if e.device == name))
+            models.add_metric([name], sum(1 for e in self.ctx.registry.loaded() if e.device_name == name))
         yield from (healthy, restarts, tick_age, models)
 
     def _memory_families(self):
@@ -220,7 +220,7 @@ class StateCollector:
                                           "later)", labels=["model"])
         steps = CounterMetricFamily("gpushare_engine_steps", "Engine steps run", labels=["model"])
         kv_bytes = gauge("gpushare_kv_committed_bytes", "Bytes of the KV pool's slabs the model holds")
-        for name, m in self.ctx.engine.stats().models.items():
+        for name, m in self.ctx.node.stats().models.items():
             queue.add_metric([name], m.waiting)
             running.add_metric([name], m.running)
             total.add_metric([name], m.blocks_total)
@@ -244,7 +244,7 @@ class StateCollector:
                                     labels=["tenant"])
         queue = GaugeMetricFamily("gpushare_tenant_queue_depth", "A tenant's requests waiting in the engine",
                                   labels=["tenant"])
-        for name, t in self.ctx.engine.tenant_stats().items():
+        for name, t in self.ctx.node.tenant_stats().items():
             used.add_metric([name], t.kv_used_bytes)
             reserved.add_metric([name], t.kv_reserved_bytes)
             if t.kv_limit_bytes is not None:

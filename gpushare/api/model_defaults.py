@@ -15,8 +15,8 @@ import functools
 from gpushare.api.context import encode_chat
 from gpushare.api.errors import bad_request
 from gpushare.api.fields import field
-from gpushare.model_options import ModelPreset
-from gpushare.models import chat_template
+from gpushare.settings.model_options import ModelPreset
+from gpushare.catalog import chat_template
 
 
 def with_model_options(body: dict, preset: ModelPreset) -> dict:

@@ -7,14 +7,16 @@ prompt/messages loads the model (done_reason "load"), or unloads it with keep_al
 top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last 64
 tokens only (repeat_last_n), a window this engine does not have. A model's own options,
 system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
-longer than its context loses its oldest messages as in Ollama. /api/show, /api/create,
-/api/copy, /api/delete and /api/load are in api/ollama_models.py.
+longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
+/api/copy are in api/ollama_models.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import importlib.metadata
+import json
 import time
 
 from aiohttp import web
@@ -26,25 +28,23 @@ from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_ob
                                  required_string, string_list)
 from gpushare.api.limits import check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, requested as logprobs_requested
-from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import (chat_with_presets, context_room, encode_with_template, fit_chat,
                                          with_model_options)
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
                                     make_sampling_params, relay)
 from gpushare.api.structured import ollama_format
-from gpushare.api.tenants import (admit, check_admin, check_keep_alive, check_model, is_admin, tenant_rows,
-                                  visible)
+from gpushare.api.tenants import admit, check_keep_alive, check_model
 from gpushare.api import thinking as think
 from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, parse_calls,
                                 parse_tools)
 from gpushare.api.turn import ReplyStream, whole_reply
-from gpushare.residency.model_catalog import catalog_problems
-from gpushare.residency.registry import RegistrationError
+from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
 # What every model served here does: generate (every supported architecture is a causal LM), call
 # tools (through its template or the documented fallback, forced calls held to their schema by
 # constrained decoding: api/tools.py) and embed (mean-pooled hidden states, /api/embed).
 CAPABILITIES = ["completion", "tools", "embedding"]
+LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
 ROLES = {role: role for role in ("system", "user", "assistant", "tool")}
@@ -157,7 +157,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
-        room = context_room(lease.engine, lease.entry.name, lease.model.config.context_length, num_ctx)
+        room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
         thinking = think.checked(think.Thinking(False) if raw else asked, lease.model, preset.template, model)
         prompt_ids = await off_loop(make_prompt, lease.model, preset, room, think.template_vars(thinking))
         thinks = think.thinks(thinking, lease.model, preset.template)
@@ -168,7 +168,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
-                              field_names=FIELD_NAMES, policies=ctx.engine.tenant_policies)
+                              field_names=FIELD_NAMES, policies=ctx.node.tenant_policies)
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
@@ -189,7 +189,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
             return [{**base, "created_at": now_rfc3339(), **reply(""), "done": True, "done_reason": out.finish_reason,
                      **timings.ollama_fields()}]
 
-        with EngineStream(lease.engine, gen) as engine_stream:
+        with EngineStream(lease.device, gen) as engine_stream:
             if stream:
                 parts = ReplyStream(tools, thinks, opened)
 
@@ -297,67 +297,45 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response({"embedding": vectors[0] if vectors else []})
 
 
-def _details(registry, source) -> dict:
-    desc = registry.cached_description(source)
-    return desc.details if desc is not None else {"parent_model": "", "format": source.format, "family": "",
-                                                  "families": None, "parameter_size": "", "quantization_level": ""}
-
-
-async def tags(request: web.Request) -> web.Response:
+async def load(request: web.Request) -> web.StreamResponse:
+    """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
+    as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
+    then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
+    or "on disk"}, or {"error": ...} once streaming."""
+    body = await read_json_object(request)
+    model = required_string(body, "model")
+    check_model(request, model)
+    keep_alive = keep_alive_s(body)
+    check_keep_alive(request, keep_alive)
     registry = context(request).registry
-    sources = registry.sources()
-    models = []
-    for source in (sources[name] for name in sorted(visible(request, sources))):
-        models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
-                       "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source),
-                       "state": registry.state(source)})  # gpushare's: loaded, loading, warm or on disk
-    # gpushare's: why a broken manifest or Modelfile is not listed (admins only: it names files)
-    skipped = catalog_problems(context(request).settings) if is_admin(request) else []
-    return web.json_response({"models": models, **({"skipped": skipped} if skipped else {})})
-
-
-async def ps(request: web.Request) -> web.Response:
-    ctx = context(request)
-    engine_stats = ctx.engine.stats()
-    stats = engine_stats.models
-    models = []
-    for entry in ctx.registry.loaded():
-        if not visible(request, [entry.name]):
-            continue
-        s = stats.get(entry.name)
-        expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
-        kv_bytes = s.kv_committed_bytes if s else 0
-        # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
-        # holds the most KV heads; its slabs times the ranks bound the group's).
-        kv_bytes *= entry.engine.world_size
-        size = entry.weight_bytes + kv_bytes
-        models.append({
-            "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
-            "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
-            "size_vram": size if entry.engine.config.device.startswith("cuda") else 0,
-            "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": context_room(entry.engine, entry.name, entry.model.config.context_length,
-                                           entry.source.preset.options.get("num_ctx")
-                                           or ctx.settings.server.context_length),
-            "trained_context_length": entry.model.config.context_length,
-            "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
-            "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
-            "queued": s.waiting if s else 0, "requests": entry.active,
-            "keep_alive": entry.keep_alive_s, "device": entry.device, "worker_pid": entry.engine.pid,
-            "tensor_parallel": entry.engine.world_size, "devices": getattr(entry.engine, "members", [entry.device]),
-            "device_healthy": ctx.supervisor.healthy(entry.device) if ctx.supervisor else True,
-            "weights": entry.model.weights, "kernel": entry.model.kernel,
-            "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
-        })
-    # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
-    # apart from "models", which Ollama's clients read as the loaded ones
-    loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
-                "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
-               for job in ctx.registry.loading() if visible(request, [job.source.name])]
-    body = {"models": models, "loading": loading, "tenants": tenant_rows(request)}
-    if is_admin(request):  # node-wide figures: the operator's, not every tenant's
-        body["memory"] = memory_report(ctx).as_json()
-    return web.json_response(body)
+    source = registry.find(model)
+    name, was = source.name, registry.state(source)
+    loading = asyncio.ensure_future(registry.load(model, keep_alive))
+    try:
+        await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        if loading.done() and loading.exception() is not None:
+            raise loading.exception()  # before the first line: a plain HTTP error (404, 503 + Retry-After)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        last = None
+        while not loading.done():
+            job = registry.get_loading(name)
+            line = job and {"status": job.state, "completed": job.done_bytes, "total": job.total_bytes}
+            if line and line != last:
+                await response.write(json.dumps(line).encode() + b"\n")
+                last = line
+            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
+        try:
+            lease = loading.result()
+            line = {"status": "success", "model": model, "load_duration": int(lease.load_duration_s * 1e9),
+                    "from": was}
+        except (ModelLoadError, RegistryFull) as e:
+            line = {"error": str(e)}
+        await response.write(json.dumps(line).encode() + b"\n")
+        await response.write_eof()
+        return response
+    finally:
+        loading.cancel()
 
 
 async def not_supported(request: web.Request) -> web.Response:
@@ -372,7 +350,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/embed", embed)
     app.router.add_post("/api/embeddings", embeddings)
-    app.router.add_get("/api/tags", tags)
-    app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/load", load)
     for path in ("/api/pull", "/api/push"):
         app.router.add_post(path, not_supported)

@@ -1,5 +1,5 @@
-"""Ollama's model-management endpoints: /api/show, /api/create, /api/copy, /api/delete, and gpushare's
-/api/load (a load with progress).
+"""Ollama's model-management endpoints: /api/tags, /api/ps, /api/show, /api/create, /api/copy,
+/api/delete.
 
 /api/show answers as Ollama does: the Modelfile that rebuilds the model (`ollama show
 --modelfile`), its `parameters` text, template, system prompt, license, MESSAGEs, details,
@@ -11,24 +11,25 @@ and `model_info` with the GGUF's own metadata keys (arrays such as the vocabular
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
+import time
 
 from aiohttp import web
 
 from gpushare.api.context import context, off_loop
 from gpushare.api.errors import bad_request
-from gpushare.api.fields import field, keep_alive_s, read_json_object, required_string
-from gpushare.api.ollama import CAPABILITIES, rfc3339
+from gpushare.api.fields import field, read_json_object, required_string
+from gpushare.api.memory import memory_report
+from gpushare.api.model_defaults import context_room
+from gpushare.api.ollama import CAPABILITIES, FOREVER_S, rfc3339
 from gpushare.api.thinking import template_thinks
-from gpushare.api.tenants import check_admin, check_keep_alive, check_model, is_admin
-from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
-from gpushare.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
+from gpushare.api.tenants import check_admin, check_model, is_admin, tenant_rows, visible
+from gpushare.catalog.model_catalog import catalog_problems
+from gpushare.residency.registry import RegistrationError
+from gpushare.settings.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
                                     parameters_text)
-from gpushare.modelfile import ModelfileError, format_modelfile, parse_modelfile
+from gpushare.catalog.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
-LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 HIDDEN_KEYS = ("general.name", "tokenizer.chat_template")  # Ollama leaves these out of model_info too
 UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on the daemon's machine in \"from\"",
                       "adapters": "is not supported: gpushare does not apply LoRA adapters",
@@ -37,7 +38,7 @@ UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on t
 
 def _gguf_info(path: str, verbose: bool) -> tuple[dict, list[dict]]:
     """The GGUF's metadata as model_info (arrays null unless verbose) and, when verbose, its tensors."""
-    from gpushare.models.gguf_reader import open_gguf
+    from gpushare.catalog.gguf_reader import open_gguf
 
     meta, tensors = open_gguf(path)
     info = {k: (v if verbose or not isinstance(v, list) else None) for k, v in meta.items() if k not in HIDDEN_KEYS}
@@ -68,7 +69,7 @@ async def show(request: web.Request) -> web.Response:
         "parameters": parameters_text(preset.options),
         "template": template,
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info,
+        "details": desc.details, "model_info": model_info, 
         "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
         "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
@@ -136,6 +137,69 @@ async def copy(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+def _details(registry, source) -> dict:
+    desc = registry.cached_description(source)
+    return desc.details if desc is not None else {"parent_model": "", "format": source.format, "family": "",
+                                                  "families": None, "parameter_size": "", "quantization_level": ""}
+
+
+async def tags(request: web.Request) -> web.Response:
+    registry = context(request).registry
+    sources = registry.sources()
+    models = []
+    for source in (sources[name] for name in sorted(visible(request, sources))):
+        models.append({"name": source.name, "model": source.name, "modified_at": rfc3339(source.modified_at()),
+                       "size": source.size_bytes(), "digest": source.digest(), "details": _details(registry, source),
+                       "state": registry.state(source)})  # gpushare's: loaded, loading, warm or on disk
+    # gpushare's: why a broken manifest or Modelfile is not listed (admins only: it names files)
+    skipped = catalog_problems(context(request).settings) if is_admin(request) else []
+    return web.json_response({"models": models, **({"skipped": skipped} if skipped else {})})
+
+
+async def ps(request: web.Request) -> web.Response:
+    ctx = context(request)
+    engine_stats = ctx.node.stats()
+    stats = engine_stats.models
+    models = []
+    for entry in ctx.registry.loaded():
+        if not visible(request, [entry.name]):
+            continue
+        s = stats.get(entry.name)
+        expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
+        kv_bytes = s.kv_committed_bytes if s else 0
+        # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
+        # holds the most KV heads; its slabs times the ranks bound the group's).
+        kv_bytes *= entry.device.world_size
+        size = entry.weight_bytes + kv_bytes
+        models.append({
+            "name": entry.name, "model": entry.name, "size": size, "digest": entry.source.digest(),
+            "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
+            "size_vram": size if entry.device.config.device.startswith("cuda") else 0,
+            "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
+            "context_length": context_room(entry.device, entry.name, entry.model.config.context_length,
+                                           entry.source.preset.options.get("num_ctx")
+                                           or ctx.settings.server.context_length),
+            "trained_context_length": entry.model.config.context_length,
+            "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
+            "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
+            "queued": s.waiting if s else 0, "requests": entry.active,
+            "keep_alive": entry.keep_alive_s, "device": entry.device_name, "worker_pid": entry.device.pid,
+            "tensor_parallel": entry.device.world_size, "devices": getattr(entry.device, "members", [entry.device_name]),
+            "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
+            "weights": entry.model.weights, "kernel": entry.model.kernel,
+            "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
+        })
+    # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
+    # apart from "models", which Ollama's clients read as the loaded ones
+    loading = [{"name": job.source.name, "state": job.state, "load_progress": job.progress,
+                "completed": job.done_bytes, "total": job.total_bytes, "requests": job.waiters}
+               for job in ctx.registry.loading() if visible(request, [job.source.name])]
+    body = {"models": models, "loading": loading, "tenants": tenant_rows(request)}
+    if is_admin(request):  # node-wide figures: the operator's, not every tenant's
+        body["memory"] = memory_report(ctx).as_json()
+    return web.json_response(body)
+
+
 async def delete(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     name = field(body, "model", "string") or required_string(body, "name")
@@ -147,50 +211,10 @@ async def delete(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
-async def load(request: web.Request) -> web.StreamResponse:
-    """gpushare's own: load a model (as a generate with no prompt) and stream its progress as NDJSON,
-    as Ollama's /api/pull does: {"status": "queued"|"loading", "completed": bytes, "total": bytes} lines,
-    then {"status": "success", "load_duration": ns, "from": the state before: "loaded", "loading", "warm"
-    or "on disk"}, or {"error": ...} once streaming."""
-    body = await read_json_object(request)
-    model = required_string(body, "model")
-    check_model(request, model)
-    keep_alive = keep_alive_s(body)
-    check_keep_alive(request, keep_alive)
-    registry = context(request).registry
-    source = registry.find(model)
-    name, was = source.name, registry.state(source)
-    loading = asyncio.ensure_future(registry.load(model, keep_alive))
-    try:
-        await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
-        if loading.done() and loading.exception() is not None:
-            raise loading.exception()  # before the first line: a plain HTTP error (404, 503 + Retry-After)
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-        last = None
-        while not loading.done():
-            job = registry.get_loading(name)
-            line = job and {"status": job.state, "completed": job.done_bytes, "total": job.total_bytes}
-            if line and line != last:
-                await response.write(json.dumps(line).encode() + b"\n")
-                last = line
-            await asyncio.wait({loading}, timeout=LOAD_PROGRESS_INTERVAL_S)
-        try:
-            lease = loading.result()
-            line = {"status": "success", "model": model, "load_duration": int(lease.load_duration_s * 1e9),
-                    "from": was}
-        except (ModelLoadError, RegistryFull) as e:
-            line = {"error": str(e)}
-        await response.write(json.dumps(line).encode() + b"\n")
-        await response.write_eof()
-        return response
-    finally:
-        loading.cancel()
-
-
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/show", show)
     app.router.add_post("/api/create", create)
     app.router.add_post("/api/copy", copy)
-    app.router.add_post("/api/load", load)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", ps)
     app.router.add_delete("/api/delete", delete)

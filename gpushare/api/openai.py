@@ -152,7 +152,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
                               preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit,
-                              policies=ctx.engine.tenant_policies)
+                              policies=ctx.node.tenant_policies)
         ticket.charge_tokens(len(prompt_ids) + n * gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + n * gen.params.max_tokens)
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -191,7 +191,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         def chunk(c: dict) -> dict:
             return {**base, "choices": [c], **({"usage": None} if include_usage else {})}
 
-        with EngineStream(lease.engine, gen) as engine_stream:
+        with EngineStream(lease.device, gen) as engine_stream:
             if stream:
                 return await _relay_stream(request, engine_stream, timings, chat, n, include_usage, base, chunk,
                                            choice, [ReplyStream(tools, thinks, opened) for _ in range(n)])

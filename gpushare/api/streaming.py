@@ -21,10 +21,10 @@ from aiohttp import web
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.metrics import record_for_stream
-from gpushare.engine.request import (EngineFailed, GenerationRequest, ModelLimits, RequestError, check_request,
+from gpushare.protocol.request import (EngineFailed, GenerationRequest, ModelLimits, RequestError, check_request,
                                      model_limits, tenant_limit_bytes)
-from gpushare.engine.sampling_params import SamplingParams
-from gpushare.engine.sequence import RequestOutput
+from gpushare.protocol.sampling_params import SamplingParams
+from gpushare.protocol.outputs import RequestOutput
 
 log = logging.getLogger("gpushare.api")
 # A stream's kernel send buffer. Left to autotuning it grows to net.ipv4.tcp_wmem's maximum (4 MiB,
@@ -121,8 +121,8 @@ class Timings:
 def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[ModelLimits, int | None]:
     """The leased model's limits from its engine's latest snapshot, and the tenant's node-wide kv_limit
     in bytes (`policies`: the node's tenant policies; None: the engine's own)."""
-    engine = lease.engine
-    stats = engine.stats()
+    device = lease.device
+    stats = device.stats()
     model_stats = stats.models.get(lease.entry.name)
     if model_stats is None:  # unloaded between the lease and now: only while the daemon stops or a worker died
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
@@ -134,7 +134,7 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
 def checked_request(lease, prompt_ids: list[int], params: SamplingParams, tenant: str, priority: str | None,
                     num_ctx: int | None = None, clip: bool = False, field_names: dict[str, str] | None = None,
                     policies: dict | None = None) -> GenerationRequest:
-    """The one GenerationRequest for this request, its max_tokens fixed by engine/request.check_request
+    """The one GenerationRequest for this request, its max_tokens fixed by protocol/request.check_request
     (the one max_tokens rule); 400 naming what is wrong (and the field, as ``field_names`` calls it in
     the dialect) when it can never run."""
     limits, tenant_bytes = lease_limits(lease, tenant, policies)

@@ -5,7 +5,7 @@ is a 400 naming the field."""
 from __future__ import annotations
 
 from gpushare.api.errors import bad_request
-from gpushare.engine.constraints import SchemaError, StructuredOutput, check_schema
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 
 def _checked(schema, param: str) -> StructuredOutput:

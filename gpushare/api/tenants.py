@@ -19,7 +19,7 @@ Admission, in this order, answers at once:
 Every 429 carries Retry-After (seconds until that limit lets the request through; 1 for the
 concurrency limits, which end when a request does) and names the limit in its message and code.
 The node's own bound, 503 with Retry-After, stays the registry's. Ordering by priority, fair
-share and KV quotas are the engine's (gpushare.engine.tenants), given by `set_tenants`.
+share and KV quotas are the engine's (gpushare.protocol.tenant_policy), given by `set_tenants`.
 
 Everything here runs on the event loop. `apply_tenant_settings` swaps the configuration live
 (SIGHUP): requests already admitted keep their admission, and tenants that stay keep their
@@ -42,9 +42,9 @@ from aiohttp import web
 from gpushare.api.context import CONTEXT, ApiContext, context
 from gpushare.api.errors import ApiError
 from gpushare.api.gateway import GatewayHeaders
-from gpushare.config import Settings, TenantSettings
+from gpushare.settings.settings import Settings, TenantSettings
 from gpushare.residency.registry import ModelNotFound
-from gpushare.engine.tenants import DEFAULT_TENANT, TenantPolicy, TenantStats
+from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
 
 OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready"})  # probes need no key
 GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
@@ -362,7 +362,7 @@ async def admit(request: web.Request, model: str):
 def tenant_rows(request: web.Request) -> list[dict]:
     """/api/ps rows: the asking tenant's own, every tenant's for an admin."""
     gate, me = gate_of(request), tenant_of(request)
-    stats = context(request).engine.tenant_stats()
+    stats = context(request).node.tenant_stats()
     states = list(gate.states.values()) if me.settings.admin else [me]
     rows = []
     for state in states:
@@ -392,5 +392,5 @@ def apply_tenant_settings(target: ApiContext | web.Application, settings: Settin
     ctx = target[CONTEXT] if isinstance(target, web.Application) else target
     if ctx.tenants is None:
         ctx.tenants = TenantGate()
-    ctx.engine.set_tenants(tenant_policies(settings))
+    ctx.node.set_tenants(tenant_policies(settings))
     ctx.tenants.configure(settings)

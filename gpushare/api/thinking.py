@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 
 from gpushare.api.errors import bad_request
-from gpushare.engine.constraints import JSON_OPTIONS, StructuredOutput
+from gpushare.protocol.structured_output import JSON_OPTIONS, StructuredOutput
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Ollama's and OpenAI's effort levels, as budgets of thinking tokens ("high": no budget but max_tokens).

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from gpushare.api.model_defaults import encode_with_template
 from gpushare.api.errors import bad_request
-from gpushare.engine.constraints import SchemaError, StructuredOutput, check_schema
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
 
 TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 CALL_STARTS = ("{", "[", "<tool_call>")  # how a reply that is a tool call begins

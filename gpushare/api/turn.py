@@ -19,7 +19,7 @@ from gpushare.api.streaming import EngineStream, Timings, checked_request, make_
 from gpushare.api.tenants import admit, check_model
 from gpushare.api.tool_stream import CallStream
 from gpushare.api.tools import ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, parse_calls
-from gpushare.engine.constraints import StructuredOutput
+from gpushare.protocol.structured_output import StructuredOutput
 
 
 @dataclass
@@ -78,11 +78,11 @@ async def running(request: web.Request, turn: Turn):
         params = make_sampling_params(turn.field_names, structured=structured, **values)
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
                               preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit,
-                              field_names=turn.field_names, policies=ctx.engine.tenant_policies)
+                              field_names=turn.field_names, policies=ctx.node.tenant_policies)
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
-        with EngineStream(lease.engine, gen) as stream:
+        with EngineStream(lease.device, gen) as stream:
             yield Running(stream, prompt_ids, thinks, thinks and think.opens_thinking(lease.model, prompt_ids),
                           turn.tools, timings)
 

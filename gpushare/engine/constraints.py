@@ -6,90 +6,23 @@ fails before the engine sees it. On the engine thread, ``apply_masks`` computes 
 of every constrained row of a step at once (llguidance's thread pool, outside the GIL) and sets
 the others to -inf; ``advance`` moves a matcher past the sampled token. A step with no constrained
 sequence never calls into this module. torch is imported only by the functions that touch logits:
-the daemon's supervisor checks schemas here and must not load it.
+the daemon's supervisor must not load it. The spec a request carries and the schema checks are
+protocol/structured_output.py's.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
 
+from gpushare.catalog.model_head import grammar_vocab
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_lark, check_schema
+
 if TYPE_CHECKING:  # torch only where masks are applied: the supervisor checks schemas without it
     import torch
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot loop on whitespace
 _executor: llguidance.LLExecutor | None = None
-_vocab_lock = threading.Lock()
-
-
-class SchemaError(ValueError):
-    """A schema that is invalid, or uses a feature the grammar compiler does not enforce."""
-
-
-@dataclass
-class StructuredOutput:
-    """What the output must be: valid against ``json_schema``, or (``json_object``) any JSON object, or
-    (``lark``) an llguidance Lark grammar (thinking, then what follows it: api/thinking.py)."""
-    json_schema: dict | None = None
-    json_object: bool = False
-    lark: str | None = None
-
-    def schema(self) -> dict:
-        return self.json_schema if self.json_schema is not None else {"type": "object"}
-
-
-def check_schema(schema) -> str:
-    """The llguidance grammar of a JSON Schema; SchemaError saying what is wrong with it or what of it
-    cannot be enforced (an unknown keyword is refused rather than silently not enforced)."""
-    if not isinstance(schema, (dict, bool)):
-        raise SchemaError(f"must be a JSON Schema object, got {json.dumps(schema)[:80]}")
-    return _grammar(json.dumps(schema))  # key order kept: properties are written in the order given
-
-
-@functools.lru_cache(maxsize=128)  # clients send the same few schemas again and again; compiling can take 0.1 s
-def _grammar(schema_text: str) -> str:
-    schema = json.loads(schema_text)
-    import jsonschema  # the meta-schema check names invalid schemas the way their authors' tools do
-
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        raise SchemaError(f"is not a valid JSON Schema{' at ' + where if where else ''}: {e.message}") from None
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as e:
-        raise SchemaError(f"is not a valid JSON Schema: {e}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error or messages:
-        raise SchemaError(f"cannot be enforced: {'; '.join(messages)}")
-    return grammar
-
-
-def grammar_vocab(loaded) -> llguidance.LLTokenizer:
-    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s)."""
-    with _vocab_lock:
-        if loaded.grammar_vocab is None:
-            tokenizer = loaded.tokenizer
-            loaded.grammar_vocab = llguidance.LLTokenizer(
-                tokenizer.hf.to_str(), n_vocab=max(tokenizer.vocab_size, loaded.config.vocab_size),
-                eos_token=sorted(loaded.stop_token_ids))
-        return loaded.grammar_vocab
-
-
-def check_lark(source: str) -> str:
-    """The llguidance grammar of a Lark grammar; SchemaError when it does not compile. Token references
-    (``<[id]>``) are checked against the vocabulary when the matcher is built."""
-    grammar = llguidance.grammar_from("lark", source)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise SchemaError(f"cannot be enforced: {'; '.join(messages)}")
-    return grammar
 
 
 def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:

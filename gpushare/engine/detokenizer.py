@@ -1,7 +1,7 @@
 """Incremental detokenisation and stop checks for one sequence, run after each sampled token."""
 
 from gpushare.engine.sequence import Sequence
-from gpushare.models.tokenizer import Tokenizer
+from gpushare.catalog.tokenizer import Tokenizer
 
 
 def append_text(tokenizer: Tokenizer, seq: Sequence) -> None:

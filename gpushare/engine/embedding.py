@@ -1,6 +1,6 @@
 """Embedding one input on the engine thread: a forward pass over KV blocks it borrows."""
 
-from gpushare.engine.request import KVCacheBusy
+from gpushare.protocol.request import KVCacheBusy
 from gpushare.engine.sequence import Sequence
 
 

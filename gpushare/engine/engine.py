@@ -25,25 +25,28 @@ from typing import Callable
 
 import torch
 
-from gpushare.engine.engine_config import EngineConfig
-from gpushare.engine.inbox import Call, Cancel, Embed, Submit, Wake
+from gpushare.protocol.engine_config import EngineConfig
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedSequences, Wake
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, engine_stats, has_work, tenant_stats
+from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
+from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.embedding import embed_one
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
-from gpushare.engine.model_worker import ModelWorker
-from gpushare.engine.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
+from gpushare.engine.resident_model import ResidentModel
+from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
                                      model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
-from gpushare.engine.sampling_params import SamplingFailure, SamplingParams
+from gpushare.protocol.sampling_params import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
-from gpushare.engine.sequence import RequestOutput, Sequence, Status
-from gpushare.engine.tenants import DEFAULT_TENANT, TenantLedger, TenantPolicy, TenantStats
+from gpushare.engine.sequence import Sequence, Status
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.engine.tenant_ledger import TenantLedger
+from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
 from gpushare.models.loader import return_freed_memory
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        self.workers: dict[str, ModelWorker] = {}  # mutated only on the engine thread
+        self.models: dict[str, ResidentModel] = {}  # mutated only on the engine thread
         self.requests: dict[str, Sequence] = {}
         self.ledger = TenantLedger()
         self.tenant_policies: dict[str, TenantPolicy] = {}
@@ -100,7 +103,7 @@ class Engine:
     def add_model(self, name: str, loaded: LoadedModel, share_weight: float = 1.0) -> None:
         """Serve ``loaded`` as ``name``; its KV cache grows and shrinks in the engine's device pool."""
         def add():
-            if name in self.workers:
+            if name in self.models:
                 raise ValueError(f"model {name!r} is already loaded")
             per_block = kv_bytes_per_block(loaded.config, self.config.block_size, self.kv_dtype)
             pool = BlockPool(self.kv_pool, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
@@ -109,17 +112,17 @@ class Engine:
             scheduler.borrow = self._borrow
             runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
                                                                          self.kv_dtype))
-            self.workers[name] = ModelWorker(name, loaded, scheduler, runner, share_weight)
+            self.models[name] = ResidentModel(name, loaded, scheduler, runner, share_weight)
             self._flush()  # whoever waits on add_model sees the model in the snapshot
 
         self._run_on_engine(add)
 
     def remove_model(self, name: str) -> None:
         def remove():
-            worker = self.workers.pop(name)
-            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
-                self._finish(worker, seq, "abort", error=f"the request was cancelled: model {name!r} was unloaded")
-            worker.scheduler.pool.close()
+            resident = self.models.pop(name)
+            for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
+                self._finish(resident, seq, "abort", error=f"the request was cancelled: model {name!r} was unloaded")
+            resident.scheduler.pool.close()
             self._flush()
 
         self._run_on_engine(remove)
@@ -130,8 +133,8 @@ class Engine:
             raise ValueError(f"share weight must be > 0, got {share_weight!r}")
 
         def apply():
-            if name in self.workers:
-                self.workers[name].share_weight = share_weight
+            if name in self.models:
+                self.models[name].share_weight = share_weight
 
         self._post(apply)
 
@@ -156,11 +159,11 @@ class Engine:
     def submit(self, request: GenerationRequest, on_output: Callable[[RequestOutput], None]) -> str:
         """Queue ``request`` (its limits fixed by request.check_request); ``on_output`` gets its outputs on
         the engine thread. KeyError if its model is not loaded; ValueError if its grammar does not compile."""
-        worker = self.workers.get(request.model)
-        if worker is None:
+        resident = self.models.get(request.model)
+        if resident is None:
             raise KeyError(f"model {request.model!r} is not loaded")
-        seq = new_sequence(worker.loaded, request, on_output)
-        self._put_work(Submit(seq))
+        seq = new_sequence(resident.loaded, request, on_output)
+        self._put_work(AddSequence(seq))
         return seq.request_id
 
     def request(self, model_name: str, prompt_ids: list[int], params: SamplingParams, tenant: str = DEFAULT_TENANT,
@@ -182,11 +185,11 @@ class Engine:
 
     def _limits(self, model_name: str, tenant: str):
         """(the model's ModelLimits, the tenant's kv_limit in bytes), from the latest snapshot."""
-        worker = self.workers.get(model_name)
+        resident = self.models.get(model_name)
         stats = self.snapshot.stats.models.get(model_name)
-        if worker is None or stats is None:
+        if resident is None or stats is None:
             raise KeyError(f"model {model_name!r} is not loaded")
-        config = worker.loaded.config
+        config = resident.loaded.config
         limits = model_limits(config.context_length, config.vocab_size, stats, self.config.max_num_seqs)
         return limits, tenant_limit_bytes(self.tenant_policies, tenant, limits)
 
@@ -195,14 +198,14 @@ class Engine:
 
     def embed(self, request: EmbedRequest) -> Future:
         """A future of one vector per input; fails with KVCacheBusy when the KV it needs is held."""
-        worker = self.workers.get(request.model)
-        if worker is None:
+        resident = self.models.get(request.model)
+        if resident is None:
             raise KeyError(f"model {request.model!r} is not loaded")
         future: Future = Future()
         params = SamplingParams(max_tokens=1)
         seqs = [Sequence(f"{request.request_id}-{i}", request.model, list(ids), params, lambda out: None,
                          request.tenant) for i, ids in enumerate(request.inputs)]
-        self._put_work(Embed(request.model, seqs, future))
+        self._put_work(EmbedSequences(request.model, seqs, future))
         return future
 
     def _put_work(self, item) -> None:
@@ -245,13 +248,13 @@ class Engine:
         while not self._stopping:
             try:
                 self.last_tick_s = time.monotonic()
-                self._drain_inbox(block=self._pick_worker() is None)
+                self._drain_inbox(block=self._pick_model() is None)
                 self._run_urgent_prompts()
-                worker = self._pick_worker()
-                if worker is not None:
-                    self._step(worker)
+                resident = self._pick_model()
+                if resident is not None:
+                    self._step(resident)
                 self._shed_idle()
-                if worker is None or self._outputs:  # a step flushed already
+                if resident is None or self._outputs:  # a step flushed already
                     self._flush()
             except Exception as e:
                 log.exception("the engine loop failed; it stops and fails every pending request")
@@ -262,8 +265,8 @@ class Engine:
         """Publish a new snapshot, then deliver the outputs made since the last flush: whoever gets a
         request's last output sees engine state that already includes its end. Other threads and
         processes read only snapshots, never the engine's live state."""
-        workers = list(self.workers.values())
-        self.snapshot = EngineSnapshot(engine_stats(self), tenant_stats(self.ledger, [w.scheduler for w in workers]),
+        residents = list(self.models.values())
+        self.snapshot = EngineSnapshot(engine_stats(self), tenant_stats(self.ledger, [w.scheduler for w in residents]),
                                        self.last_tick_s, self.failure)
         if self.on_snapshot is not None:
             self.on_snapshot(self.snapshot)
@@ -276,8 +279,8 @@ class Engine:
 
     def _borrow(self, requester: Scheduler) -> bool:
         """Scheduler.borrow: preempt another model's sequence for ``requester`` (kv_sharing.py)."""
-        workers = list(self.workers.values())
-        found = borrow_victim(requester, [w.scheduler for w in workers], [w.share_weight for w in workers])
+        residents = list(self.models.values())
+        found = borrow_victim(requester, [w.scheduler for w in residents], [w.share_weight for w in residents])
         if found is None:
             return False
         lender, seq = found
@@ -289,7 +292,7 @@ class Engine:
         if now_s < self._next_shed_check_s:
             return
         self._next_shed_check_s = now_s + self.config.idle_tick_s
-        schedulers = [w.scheduler for w in self.workers.values()]
+        schedulers = [w.scheduler for w in self.models.values()]
         if shed_idle_models(schedulers, self._idle_since_s, now_s, self.config.kv_idle_release_s):
             return_freed_memory()
 
@@ -297,8 +300,8 @@ class Engine:
         """End every pending request with ``reason`` and refuse new ones (the loop is about to exit)."""
         with self._inbox_lock:
             self.failure = reason
-        for worker in list(self.workers.values()):
-            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
+        for resident in list(self.models.values()):
+            for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
                 self.requests.pop(seq.request_id, None)
                 self._emit(seq, self._output(seq, [], True, "error", reason))
         for seq in list(self.requests.values()):  # taken in but never scheduled
@@ -313,9 +316,9 @@ class Engine:
 
     def _fail_item(self, item, reason: str) -> None:
         """Answer an inbox item that will not be handled: its request ends with ``reason``."""
-        if isinstance(item, Submit):
+        if isinstance(item, AddSequence):
             self._emit(item.seq, self._output(item.seq, [], True, "error", reason))
-        elif isinstance(item, (Embed, Call)) and not item.future.done():
+        elif isinstance(item, (EmbedSequences, Call)) and not item.future.done():
             item.future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
@@ -340,30 +343,30 @@ class Engine:
             self._handle_item(item)
         except Exception as e:  # the item's own request fails, not the loop
             log.exception("engine: handling a %s failed", type(item).__name__)
-            if isinstance(item, Submit):
+            if isinstance(item, AddSequence):
                 self.requests.pop(item.seq.request_id, None)
             self._fail_item(item, f"the engine could not take this request in: {type(e).__name__}: {e}")
 
     def _handle_item(self, item) -> None:
-        if isinstance(item, Submit):
+        if isinstance(item, AddSequence):
             seq = item.seq
-            worker = self.workers.get(seq.model_name)
-            if worker is None:
+            resident = self.models.get(seq.model_name)
+            if resident is None:
                 self._emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
                                               f"model {seq.model_name!r} was unloaded"))
                 return
             self.requests[seq.request_id] = seq
-            if not worker.scheduler.has_work():
+            if not resident.scheduler.has_work():
                 # Idle time is no credit: a model that turns busy starts level with the busy ones.
-                busy = [w.virtual_steps for w in self.workers.values() if w.scheduler.has_work()]
-                worker.virtual_steps = max(worker.virtual_steps, min(busy, default=0.0))
-            worker.scheduler.add(seq)
+                busy = [w.virtual_steps for w in self.models.values() if w.scheduler.has_work()]
+                resident.virtual_steps = max(resident.virtual_steps, min(busy, default=0.0))
+            resident.scheduler.add(seq)
         elif isinstance(item, Cancel):
             seq = self.requests.get(item.request_id)
-            if seq is not None and seq.model_name in self.workers:
+            if seq is not None and seq.model_name in self.models:
                 for answer in [seq, *seq.forks]:  # n > 1: every answer goes
-                    self._finish(self.workers[seq.model_name], answer, "abort")
-        elif isinstance(item, Embed):
+                    self._finish(self.models[seq.model_name], answer, "abort")
+        elif isinstance(item, EmbedSequences):
             self._embed(item)
         elif isinstance(item, Call):
             try:
@@ -371,48 +374,48 @@ class Engine:
             except Exception as e:
                 item.future.set_exception(e)
 
-    def _pick_worker(self) -> ModelWorker | None:
-        busy = [w for w in self.workers.values() if w.scheduler.has_work()]
+    def _pick_model(self) -> ResidentModel | None:
+        busy = [w for w in self.models.values() if w.scheduler.has_work()]
         return min(busy, key=lambda w: w.virtual_steps, default=None)
 
-    def _step(self, worker: ModelWorker) -> None:
+    def _step(self, resident: ResidentModel) -> None:
         try:
-            batch = worker.scheduler.schedule()
+            batch = resident.scheduler.schedule()
         except Exception as e:  # this model's requests fail; other models go on
-            log.exception("engine: scheduling failed for model %s", worker.name)
-            for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
-                self._finish(worker, seq, "error", error=f"engine scheduling failed: {type(e).__name__}: {e}")
+            log.exception("engine: scheduling failed for model %s", resident.name)
+            for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
+                self._finish(resident, seq, "error", error=f"engine scheduling failed: {type(e).__name__}: {e}")
             return
         if batch.seqs:
-            self._run_step(worker, batch)
+            self._run_step(resident, batch)
 
-    def _run_step(self, worker: ModelWorker, batch) -> None:
-        runner = worker.runner
+    def _run_step(self, resident: ResidentModel, batch) -> None:
+        runner = resident.runner
         try:
             step = runner.begin(batch)
             while not runner.advance(step, self._inbox_has_items):
                 self._pause()
             sampled = runner.complete(step)
-            worker.scheduler.after_step(batch)
+            resident.scheduler.after_step(batch)
             for child in step.forks:
                 self.requests[child.request_id] = child
-                worker.scheduler.adopt(child)
+                resident.scheduler.adopt(child)
         except Exception as e:  # a failed step fails its batch, never the engine
-            log.exception("engine step failed for model %s", worker.name)
+            log.exception("engine step failed for model %s", resident.name)
             for seq in batch.seqs:
                 for child in seq.forks:
                     if child.request_id not in self.requests:  # forked by the failed step: take it in to end it
                         self.requests[child.request_id] = child
-                        worker.scheduler.adopt(child)
+                        resident.scheduler.adopt(child)
                 for answer in [seq, *seq.forks]:
-                    self._finish(worker, answer, "error", error=f"engine step failed: {e}")
+                    self._finish(resident, answer, "error", error=f"engine step failed: {e}")
             return
-        worker.steps += 1
-        worker.virtual_steps += 1 / worker.share_weight
+        resident.steps += 1
+        resident.virtual_steps += 1 / resident.share_weight
         self.steps += 1
-        worker.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
+        resident.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
         for seq, token in sampled:
-            self._advance_one(worker, seq, token)
+            self._advance_one(resident, seq, token)
         self._flush()  # an urgent step's first token goes out now, not after the step it paused
         if self.on_step is not None:
             self.on_step(self)
@@ -429,7 +432,7 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Submit):
+            if isinstance(item, AddSequence):
                 self._handle(item)
             else:
                 self._deferred.append(item)
@@ -438,37 +441,37 @@ class Engine:
     def _run_urgent_prompts(self) -> None:
         """Waiting prompts of tenants ahead of all running work get a step of their own. That step
         may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
-        workers = list(self.workers.values())
-        waiting = {(s.tenant, s.priority) for w in workers for s in w.scheduler.waiting}
+        residents = list(self.models.values())
+        waiting = {(s.tenant, s.priority) for w in residents for s in w.scheduler.waiting}
         if not waiting:  # the usual case in a busy loop: nothing to weigh
             return
-        urgent = self.ledger.urgent_tenants(waiting, {(s.tenant, s.priority) for w in workers
+        urgent = self.ledger.urgent_tenants(waiting, {(s.tenant, s.priority) for w in residents
                                                       for s in w.scheduler.running})
         if not urgent:
             return
-        for worker in workers:
-            batch = worker.scheduler.schedule_urgent(urgent)
+        for resident in residents:
+            batch = resident.scheduler.schedule_urgent(urgent)
             if batch.seqs:
-                self._run_step(worker, batch)
+                self._run_step(resident, batch)
 
-    def _advance_one(self, worker: ModelWorker, seq: Sequence, token: int | SamplingFailure) -> None:
+    def _advance_one(self, resident: ResidentModel, seq: Sequence, token: int | SamplingFailure) -> None:
         """Give ``seq`` its new token; a failure on this sequence (sampling, text) ends it alone."""
         if isinstance(token, SamplingFailure):
-            self._finish(worker, seq, "error", error=token.message)
+            self._finish(resident, seq, "error", error=token.message)
             return
         try:
-            self._advance(worker, seq, token)
+            self._advance(resident, seq, token)
         except Exception as e:
             log.exception("engine: request %s failed after its step", seq.request_id)
-            self._finish(worker, seq, "error", error=f"{type(e).__name__}: {e}")
+            self._finish(resident, seq, "error", error=f"{type(e).__name__}: {e}")
 
-    def _advance(self, worker: ModelWorker, seq: Sequence, token: int) -> None:
+    def _advance(self, resident: ResidentModel, seq: Sequence, token: int) -> None:
         if seq.first_token_time_s is None:
             seq.first_token_time_s = time.monotonic()
         seq.output_ids.append(token)
-        worker.generated_tokens += 1
+        resident.generated_tokens += 1
         self.ledger.generated_tokens[seq.tenant] = self.ledger.generated_tokens.get(seq.tenant, 0) + 1
-        loaded = worker.loaded
+        loaded = resident.loaded
         params = seq.params
         makes_text = token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids)
         if makes_text:
@@ -476,15 +479,15 @@ class Engine:
         logprobs = [seq.last_logprobs] if makes_text and seq.last_logprobs is not None else None
         reason = finish_reason(seq, token, loaded.stop_token_ids, loaded.config.context_length)
         if reason is not None:
-            self._finish(worker, seq, reason, last_token=token, logprobs=logprobs)
+            self._finish(resident, seq, reason, last_token=token, logprobs=logprobs)
             return
         self._emit(seq, self._output(seq, [token], False, None, logprobs=logprobs))
 
-    def _finish(self, worker: ModelWorker, seq: Sequence, reason: str, error: str | None = None,
+    def _finish(self, resident: ResidentModel, seq: Sequence, reason: str, error: str | None = None,
                 last_token: int | None = None, logprobs=None) -> None:
         if seq.status is Status.FINISHED:
             return
-        worker.scheduler.finish(seq)
+        resident.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error, logprobs))
 
@@ -498,21 +501,21 @@ class Engine:
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         self._outputs.append((seq, out))  # delivered by the next _flush
 
-    def _embed(self, item: Embed) -> None:
+    def _embed(self, item: EmbedSequences) -> None:
         """One input per loop turn (the rest goes back to the inbox), so generation steps run between
         the inputs of a large embedding request."""
-        worker = self.workers.get(item.model_name)
-        if worker is None:
+        resident = self.models.get(item.model_name)
+        if resident is None:
             item.future.set_exception(KeyError(f"model {item.model_name!r} is not loaded"))
         elif not item.seqs:
             item.future.set_result([])
         else:
             try:
-                vectors = (*item.done, embed_one(worker.scheduler, worker.runner, item.seqs[0]))
+                vectors = (*item.done, embed_one(resident.scheduler, resident.runner, item.seqs[0]))
             except Exception as e:
                 item.future.set_exception(e)
                 return
             if len(item.seqs) > 1:
-                self._deferred.append(Embed(item.model_name, item.seqs[1:], item.future, vectors))
+                self._deferred.append(EmbedSequences(item.model_name, item.seqs[1:], item.future, vectors))
             else:
                 item.future.set_result(list(vectors))

@@ -1,24 +1,28 @@
-"""The engine's inbox: what other threads hand the engine thread, one typed item each."""
+"""The engine's inbox: what other threads hand the engine thread, one typed item each.
+
+A cancel is the wire's own ``Cancel`` (protocol/messages.py). The other items carry what only this
+process has: a Sequence made on the caller's thread (its grammar compiled, its generator seeded),
+futures, functions; so they are not wire messages, and are named apart from the wire's ``Submit``
+and ``Embed``, which a worker turns into them (engine/worker.py).
+"""
 
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
 from gpushare.engine.sequence import Sequence
+from gpushare.protocol.messages import Cancel
+
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedSequences", "Wake"]
 
 
 @dataclass
-class Submit:
+class AddSequence:
     seq: Sequence
 
 
 @dataclass
-class Cancel:
-    request_id: str
-
-
-@dataclass
-class Embed:
+class EmbedSequences:
     model_name: str
     seqs: list[Sequence]
     future: Future

@@ -16,8 +16,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from gpushare.engine.kv_pool import DeviceKVPool
-from gpushare.engine.request import KVCacheBusy
-from gpushare.engine.tenants import TenantLedger
+from gpushare.protocol.request import KVCacheBusy
+from gpushare.engine.tenant_ledger import TenantLedger
 
 
 # A block-table entry whose block was given back because it fell out of every layer's sliding window;

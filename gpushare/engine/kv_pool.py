@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 
 from gpushare import kernels
-from gpushare.engine.engine_config import kv_dtype_name
+from gpushare.protocol.engine_config import kv_dtype_name
 from gpushare.kernels.paged_attention_torch import Int8KV
-from gpushare.models.config import ModelConfig
+from gpushare.catalog.model_config import ModelConfig
 
 INT8_SCALE_BYTES = 4  # int8 KV: a float32 scale per token and KV head
 

@@ -11,11 +11,11 @@ from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import copy_block
 from gpushare.engine.sampling import prompt_logprobs, sample_batch
-from gpushare.engine.sampling_params import SamplingFailure
+from gpushare.protocol.sampling_params import SamplingFailure
 from gpushare.engine.scheduler import Batch
 from gpushare.models.cpu_kernels import WIDE_CHUNK_TOKENS
 from gpushare.models.llama import AttentionBatch, ForwardState
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
 
 PROMPT_LOGITS_ROWS = 256  # prompt rows per lm_head call: bounds the [rows, vocab] float32 logits of a long chunk
 

@@ -7,9 +7,10 @@ from typing import Callable
 import torch
 
 from gpushare.engine import constraints
-from gpushare.engine.request import GenerationRequest
-from gpushare.engine.sequence import RequestOutput, Sequence
-from gpushare.models.model_head import LoadedModel
+from gpushare.protocol.request import GenerationRequest
+from gpushare.engine.sequence import Sequence
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.catalog.model_head import LoadedModel
 
 
 def new_sequence(loaded: LoadedModel, request: GenerationRequest,

@@ -14,7 +14,7 @@ import math
 import torch
 
 from gpushare.engine.constraints import apply_masks
-from gpushare.engine.sampling_params import SamplingFailure, SamplingParams, TokenLogprobs
+from gpushare.protocol.sampling_params import SamplingFailure, SamplingParams, TokenLogprobs
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]):

@@ -1,4 +1,4 @@
-"""Sequence: one request's state inside the engine; RequestOutput: what its caller sees."""
+"""Sequence: one request's state inside the engine (what its caller sees: protocol/outputs.RequestOutput)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from gpushare.engine.sampling_params import SamplingParams, TokenLogprobs
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.protocol.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:  # the supervisor builds and reads sequences' outputs without torch
     import torch
@@ -17,24 +18,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_cached_tokens: int = 0
-    first_token_time_s: float | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the output that carries the first token
-    logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
-    index: int = 0  # which of the request's ``n`` answers this is
-    stop_reason: str | None = None  # on a "stop" finish by a stop string: that string (vLLM's stop_reason)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch import nn
 
 from gpushare.engine import shm_all_reduce
 from gpushare.engine.kv_pool import copy_block
-from gpushare.engine.worker_messages import GroupSpec
+from gpushare.protocol.messages import GroupSpec
 from gpushare.models.llama import AttentionBatch
 
 log = logging.getLogger("gpushare.tensor_parallel")

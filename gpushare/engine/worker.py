@@ -1,4 +1,4 @@
-"""An engine worker process: one Engine on one device, behind typed messages (worker_messages.py).
+"""An engine worker process: one Engine on one device, behind typed messages (protocol/messages.py).
 
 Started by the supervisor (residency/worker_client.py) as ``python -m gpushare.engine.worker FD``
 with its device's environment (CUDA_VISIBLE_DEVICES, MPS) already set, so CUDA sees one GPU or
@@ -29,17 +29,17 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from gpushare.engine import worker_messages as m
+from gpushare.protocol import messages as m
 from gpushare.engine.engine import Engine
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.passing_threads import PassingThreads
 from gpushare.engine.tensor_parallel import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
                                              use_all_reduce)
 from gpushare.engine.test_hooks import install_test_stall
-from gpushare.engine.sequence import RequestOutput
+from gpushare.protocol.outputs import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
-from gpushare.models.tensor_split import rank_config, split_model, vocab_widths
+from gpushare.catalog.tensor_split import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
 

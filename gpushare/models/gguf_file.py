@@ -1,13 +1,13 @@
 """Read a GGUF file's tensors under Hugging Face names, dequantised to float32 or converted one by
-one into the model's weight format (gpushare.models.weight_format). The header (metadata, tensor
+one into the model's weight format (gpushare.protocol.weight_format). The header (metadata, tensor
 table) is gguf_reader.open_gguf's."""
 
 import numpy as np
 import torch
 
-from gpushare.models import weight_format
+from gpushare.protocol import weight_format
 from gpushare.models.dequant import dequantize
-from gpushare.models.gguf_reader import GGUFError
+from gpushare.catalog.gguf_reader import GGUFError
 from gpushare.models.quantized import Int4Weight, int4_from_gguf, permute_rows, quantize, stack_rows
 
 QUANTIZE_ROWS = 4096  # rows dequantized at a time on the way to int8 or int4
@@ -90,7 +90,7 @@ def _convert(tensor, name: str, shape: list[int], weights: str):
 def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,
                  weights: str = "float32", gate_up_fused: bool = False) -> dict:
     """Every known tensor, in numpy (row-major, HF) shape order: float32, or for ``weights`` int8 /
-    int4 the linear weights quantized as they are read (gpushare.models.weight_format).
+    int4 the linear weights quantized as they are read (gpushare.protocol.weight_format).
 
     ``progress(done_bytes, total_bytes)``, when given, is called after each tensor.
     """

@@ -9,7 +9,7 @@ checkpoints keep the text model under ``language_model.``: we load it, not the v
 
 import torch
 
-from gpushare.models.config import ModelConfig
+from gpushare.catalog.model_config import ModelConfig
 
 _GEMMA_NORMS = {
     ".post_attention_layernorm.": ".attn_output_norm.",

@@ -15,7 +15,7 @@ from torch import nn
 
 from gpushare import kernels
 from gpushare.models import fused_decode
-from gpushare.models.config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
+from gpushare.catalog.model_config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
 from gpushare.models.quantized import Int8Weight, stack_rows
 
@@ -243,9 +243,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.lm_head_rows or config.vocab_size, bias=False)
         self.embedding_scale = config.hidden_size ** 0.5 if config.scale_embeddings else None
-        self.register_buffer("rope", rope_table(config), persistent=False)
-        self.register_buffer("rope_local", rope_table(config, local=True) if config.rope_theta_local else None,
-                             persistent=False)
+        # the RoPE tables are built on the model's device by build_model: computed here, on the meta
+        # device, torch's reference arange pulls in torch._dynamo and with it triton (66 MiB of RSS)
+        self.register_buffer("rope", None, persistent=False)
+        self.register_buffer("rope_local", None, persistent=False)
         self.fused_decode = True  # steps may run a few layers a C++ call (models/fused_decode.py)
         self._decode_weights: fused_decode.DecodeWeights | None | bool = False  # False: not gathered yet
 

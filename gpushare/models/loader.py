@@ -1,5 +1,5 @@
 """load_model: a GGUF file or a Hugging Face folder -> weights on the device, with its head (tokenizer,
-chat template, stop ids: models/model_head.py)."""
+chat template, stop ids: catalog/model_head.py)."""
 
 import ctypes
 import glob
@@ -9,19 +9,19 @@ import os
 import torch
 
 from gpushare import kernels
-from gpushare.models.config import config_from_gguf, config_from_hf
+from gpushare.catalog.model_config import config_from_gguf, config_from_hf
 from gpushare.models.cpu_kernels import measure_again_if_provisional, quantized_kernel, wide_int8_kernel
 from gpushare.models.gguf_file import read_tensors
-from gpushare.models.gguf_reader import open_gguf
+from gpushare.catalog.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
 from gpushare.models.linear import Linear
-from gpushare.models.llama import build_model
-from gpushare.models.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
+from gpushare.models.llama import build_model, weight_bytes
+from gpushare.catalog.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
                                         matrix_types)
 from gpushare.models.quantized import quantize
 from gpushare.models.tensor_parallel import shard_state
-from gpushare.models.tensor_split import rank_config, split_model
-from gpushare.models.weight_format import resolve_weights, target_of
+from gpushare.catalog.tensor_split import rank_config, split_model
+from gpushare.protocol.weight_format import resolve_weights, target_of
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -117,7 +117,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
             wide_int8_kernel()
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
-                       kernel=linear_kernels(model),
+                       kernel=linear_kernels(model), weight_bytes=weight_bytes(model),
                        whole_config=whole_config if tensor_parallel is not None else None)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from gpushare.models.dequant import k_scales, shifted
-from gpushare.models.weight_format import INT4_GROUP_SIZE
+from gpushare.protocol.weight_format import INT4_GROUP_SIZE
 
 log = logging.getLogger("gpushare.models")
 

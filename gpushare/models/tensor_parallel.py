@@ -1,5 +1,5 @@
 """Tensor parallelism: each rank's part of a model's weights (the split itself, which heads, MLP
-channels and vocabulary rows each of N ranks holds, is models/tensor_split.py's).
+channels and vocabulary rows each of N ranks holds, is catalog/tensor_split.py's).
 
 Megatron's split: every rank holds some attention heads and a slice of the MLP. q/k/v and
 gate/up are cut by output rows (column-parallel), o_proj and down_proj by input columns
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from gpushare.models.config import ModelConfig
+from gpushare.catalog.model_config import ModelConfig
 from gpushare.models.quantized import Int4Weight, Int8Weight, permute_rows, stack_rows
-from gpushare.models.tensor_split import RankSlice
+from gpushare.catalog.tensor_split import RankSlice
 
 
 def _rows(w, start: int, end: int):

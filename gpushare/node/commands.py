@@ -1,24 +1,19 @@
-"""`gpushare node ...`: topo, plan, apply, and mps start|stop|status|env.
+"""The work of `gpushare node ...` (its command line: cli/node.py): topo, plan, apply, and
+mps start|stop|status|env.
 
-`add_node_parser(subparsers)` adds the `node` command to gpushare's argparse tree; each leaf
-sets `func`, which takes the parsed args and returns the exit status (0 ok, 1 a node tool
-failed or refused, 2 a usage or permission problem). The work is done by `topo`, `plan`,
-`apply` and `mps`, which take a `NodeContext` (sysfs root, settings, runner, NVML module)
-so tests drive them with fixture trees, recorded tool outputs and a fake NVML.
+Each returns the exit status (0 ok, 1 a node tool failed or refused, 2 a usage or permission
+problem) and takes a `NodeContext` (sysfs root, settings, runner, NVML module), so tests drive
+them with fixture trees, recorded tool outputs and a fake NVML.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
-
-import yaml
 
 from gpushare.node import cpu_verdicts
 from gpushare.node import mig as mig_layout
@@ -28,7 +23,7 @@ from gpushare.node.devices import WorkerPlanSet, plan_workers
 from gpushare.node.gpu import NvmlReport, engine_targets, read_gpus
 from gpushare.node.gpu_links import GpuLinks, read_gpu_links
 from gpushare.node.runner import NodeError, SubprocessRunner
-from gpushare.node.settings import NodeSettings, parse_node_settings
+from gpushare.node.settings import NodeSettings
 from gpushare.node.topology import Topology, format_cpulist, read_topology
 from gpushare.node.tp_groups import TPGroupPlan, plan_tp_groups
 
@@ -53,44 +48,6 @@ class NodeContext:
         if self.allowed_cpus is None and Path(self.sysfs_root).resolve() == Path("/"):
             return sorted(os.sched_getaffinity(0))
         return self.allowed_cpus
-
-
-def add_node_parser(subparsers) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--sysfs-root", default="/", help="read CPU and PCI topology under this root (default /)")
-    common.add_argument("--config", default=os.environ.get("GPUSHARE_CONFIG"),
-                        help="gpushare YAML config (default $GPUSHARE_CONFIG); its node: section is used")
-    common.add_argument("--json", action="store_true", help="print JSON instead of text")
-    node = subparsers.add_parser("node", help="prepare this node: CPU pinning, MIG, MPS")
-    actions = node.add_subparsers(dest="node_command", required=True)
-    for name, text in (("topo", "CPU cores (P/E/SMT), NUMA, GPUs with locality, MIG and MPS state"),
-                       ("plan", "the engine workers the daemon would start, and what `apply` would run"),
-                       ("apply", "apply MIG and MPS settings (needs root and node.manage: true)")):
-        actions.add_parser(name, parents=[common], help=text).set_defaults(func=_handle)
-    mps_parser = actions.add_parser("mps", parents=[common], help="MPS control daemons")
-    mps_parser.add_argument("action", choices=["start", "stop", "status", "env"])
-    mps_parser.add_argument("--gpu", help="env: only this GPU or MIG instance (uuid or GPU index)")
-    mps_parser.set_defaults(func=_handle)
-    return node
-
-
-def _handle(args) -> int:
-    from gpushare.config import read_engine, read_tensor_parallel_models
-
-    try:
-        raw = yaml.safe_load(Path(args.config).read_text()) if args.config else None
-        raw = raw if isinstance(raw, dict) else {}
-        settings = parse_node_settings(raw.get("node"))
-        engine = read_engine(raw.get("engine"))
-        models = read_tensor_parallel_models(raw.get("models"), engine)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        print(f"gpushare node: config {args.config}: {exc}", file=sys.stderr)
-        return 2
-    ctx = NodeContext(sysfs_root=args.sysfs_root, settings=settings, devices=engine.devices, device=engine.device,
-                      models=models)
-    if args.node_command == "mps":
-        return mps(ctx, args.action, sys.stdout, gpu=args.gpu, as_json=args.json)
-    return {"topo": topo, "plan": plan, "apply": apply}[args.node_command](ctx, sys.stdout, as_json=args.json)
 
 
 def topo(ctx: NodeContext, out, as_json: bool = False) -> int:

@@ -14,14 +14,19 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from gpushare.models.model_head import LoadedModel
+from gpushare.catalog.model_head import LoadedModel
+from gpushare.protocol.device import Device
+from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.protocol.request import EmbedRequest, GenerationRequest
+from gpushare.protocol.tenant_policy import TenantPolicy, TenantStats
 from gpushare.residency.worker_client import WorkerClient, WorkerDied
 
 
-class GroupClient:
+class GroupClient(Device):
     def __init__(self, ranks: list[WorkerClient], on_exit: Callable | None = None):
         self.ranks = ranks
         self.leader = ranks[0]
@@ -99,9 +104,46 @@ class GroupClient:
     def alive(self) -> bool:
         return all(r.alive() for r in self.ranks)
 
-    # ---- the first rank's engine ----------------------------------------------------------
-    def __getattr__(self, attr):  # submit, cancel, embed, stats, snapshot, set_tenants, ...
-        return getattr(self.leader, attr)
+    # ---- the first rank's engine, which schedules for the group ------------------------------
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self.leader.snapshot
+
+    @property
+    def tenant_policies(self) -> dict[str, TenantPolicy]:
+        return self.leader.tenant_policies
+
+    @property
+    def failure(self) -> str | None:
+        return self.leader.failure
+
+    @property
+    def last_tick_s(self) -> float:
+        return self.leader.last_tick_s
+
+    def submit(self, request: GenerationRequest, on_output: Callable[[RequestOutput], None]) -> str:
+        return self.leader.submit(request, on_output)
+
+    def cancel(self, request_id: str) -> None:
+        self.leader.cancel(request_id)
+
+    def embed(self, request: EmbedRequest) -> Future:
+        return self.leader.embed(request)
+
+    def stats(self) -> EngineStats:
+        return self.leader.stats()
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        return self.leader.tenant_stats()
+
+    def has_work(self, model_name: str | None = None) -> bool:
+        return self.leader.has_work(model_name)
+
+    def set_tenants(self, policies: list[TenantPolicy]) -> None:
+        self.leader.set_tenants(policies)
+
+    def set_share_weight(self, name: str, share_weight: float) -> None:
+        self.leader.set_share_weight(name, share_weight)
 
     # ---- models ---------------------------------------------------------------------------
     def load(self, name: str, path: str, dtype: str, weights: str, share_weight: float, progress, warm,

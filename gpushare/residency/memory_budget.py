@@ -36,7 +36,7 @@ def _read_exact(f, n: int) -> bytes:
 
 def count_gguf_tensors(path: str) -> TensorCount:
     """Element counts from a GGUF's tensor table (no tensor data is read)."""
-    from gpushare.models.gguf_reader import open_gguf
+    from gpushare.catalog.gguf_reader import open_gguf
 
     _, tensors = open_gguf(path)
     elements = {t.name: math.prod(t.shape) for t in tensors}
@@ -86,14 +86,11 @@ def default_budget_bytes(device: str, host_cache_bytes: int, memory_total_bytes:
     """memory.budget when the config leaves it out: 90% of the GPU's memory; on the CPU 80% of
     the RAM available now, less the warm tier (which lives in the same RAM; at most half).
 
-    A GPU's memory is ``memory_total_bytes`` (NVML's, from the worker plan) when given: the daemon's
-    supervisor never loads torch. An engine in this process (engine.isolation: thread, the offline
-    tools) asks CUDA."""
+    A GPU's memory is ``memory_total_bytes``: NVML's, from the worker plan (the supervisor never loads
+    torch; with engine.isolation: thread too); an offline tool with an engine of its own asks CUDA."""
     if device.startswith("cuda"):
         if memory_total_bytes is None:
-            import torch
-
-            _, memory_total_bytes = torch.cuda.mem_get_info(torch.device(device))
+            raise ValueError(f"{device}: the default memory budget needs the GPU's memory_total_bytes")
         return int(memory_total_bytes * DEFAULT_GPU_BUDGET_FRACTION)
     import psutil
 

@@ -24,14 +24,16 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from gpushare.config import Settings
+from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import default_budget_bytes
-from gpushare.residency.model_create import create_model, removable_file
-from gpushare.residency.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
+from gpushare.catalog.model_create import create_model, removable_file
+from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
-from gpushare.residency.residency import LoadedEntry, LoadJob, ModelLoadError, RegistryFull, Residency
-from gpushare.model_options import ModelPreset
-from gpushare.models.weight_format import resolve_weights
+from gpushare.protocol.device import Device
+from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
+from gpushare.residency.residency import Residency
+from gpushare.settings.model_options import ModelPreset
+from gpushare.protocol.weight_format import resolve_weights
 
 __all__ = ["Registry", "Lease", "ModelNotFound", "RegistrationError", "ModelLoadError", "RegistryFull"]
 
@@ -56,15 +58,15 @@ class Lease:
         self.entry.outstanding_tokens += tokens
 
     @property
-    def engine(self):
-        """The engine (of the device) the model is loaded on."""
-        return self.entry.engine
+    def device(self) -> Device:
+        """The device the model is loaded on (protocol/device.py)."""
+        return self.entry.device
 
 
 class Registry:
     def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None,
                  memory_total_bytes: dict[str, int] | None = None):
-        """`devices`: name -> device (residency/devices.py); `find_device`: a models[].device as written ->
+        """`devices`: name -> device (protocol/device.py); `find_device`: a models[].device as written ->
         the name of its device; `memory_total_bytes`: a GPU device's name -> its memory (the worker plan's,
         from NVML), for the default budget."""
         self.devices = devices
@@ -175,7 +177,7 @@ class Registry:
 
     def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
         """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
-        `preset` on top of the target's own (residency/model_create.py: a symlink, or a .modelfile). A model
+        `preset` on top of the target's own (catalog/model_create.py: a symlink, or a .modelfile). A model
         of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
         create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
         source = self.find(name)
@@ -283,7 +285,7 @@ class Registry:
                 continue
             pinned_changed = new.pinned != entry.source.pinned
             if new.weight != entry.source.weight:
-                entry.engine.set_share_weight(entry.name, new.weight)
+                entry.device.set_share_weight(entry.name, new.weight)
             entry.source = new
             if pinned_changed:  # keep_alive starts afresh from the model's or the server's default
                 self._set_keep_alive(entry, None)

@@ -28,13 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-
+from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
 from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
-from gpushare.residency.model_catalog import ModelSource
+from gpushare.catalog.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
 from gpushare.residency.worker_client import WorkerDied
-from gpushare.models.weight_format import resolve_weights
+from gpushare.protocol.weight_format import resolve_weights
 
 log = logging.getLogger("gpushare.registry")
 
@@ -42,81 +41,9 @@ ROOM_WAIT_TIMEOUT_S = 300.0  # as Ollama's OLLAMA_LOAD_TIMEOUT: how long a load 
 DEVICE_POLL_S = 1.0  # how often a load waiting for an unhealthy device looks again
 
 
-class RegistryFull(RuntimeError):
-    """No room now: too many requests queued for a model, or memory held by busy models too long."""
-
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class ModelLoadError(RuntimeError):
-    pass
-
-
-@dataclass
-class LoadedEntry:
-    source: ModelSource
-    model: object  # gpushare.models.loader.LoadedModel
-    weight_bytes: int
-    load_duration_s: float
-    warm_load: bool  # taken from the warm tier rather than parsed from its file
-    warm_key: tuple  # (file digest, dtype, weights, device): its place in the warm tier once unloaded
-    parameter_count: int
-    keep_alive_s: float = 0.0
-    active: int = 0  # leases held: requests running, queued in the engine, or about to submit
-    outstanding_tokens: int = 0  # prompt plus max_tokens of the requests holding those leases
-    last_used: float = field(default_factory=time.monotonic)
-    expires_at: float | None = None  # wall-clock epoch seconds; None: never (or busy, keep_alive < 0)
-    timer: asyncio.TimerHandle | None = None
-    retired: bool = False  # its config entry is gone: takes no new request, unloads once idle
-    engine: object = None  # the device it is loaded on (residency/devices.py): what requests submit to
-
-    @property
-    def device(self) -> str:
-        return self.engine.name
-
-    @property
-    def key(self) -> str:
-        """This copy of the model: its name on its device."""
-        return f"{self.name}@{self.device}"
-
-    @property
-    def name(self) -> str:
-        return self.source.name
-
-    @property
-    def size_bytes(self) -> int:
-        """What it holds of memory.budget: its weights (its KV lives in the engine's shared pool); of a
-        tensor-parallel model, what one rank holds (the budget is per device)."""
-        return -(-self.weight_bytes // self.engine.world_size)
-
-
-@dataclass
-class LoadJob:
-    """One model on its way in; every request for it waits on `task`."""
-    source: ModelSource
-    state: str = "queued"  # "queued" (sizing it, waiting for memory) | "loading"
-    reserved_bytes: int = 0  # weights, counted against memory.budget once room is found
-    done_bytes: int = 0
-    total_bytes: int = 0
-    waiters: int = 0  # requests waiting; they hold a lease the moment it loads
-    task: asyncio.Task | None = None
-    device: str | None = None  # where it loads (placement), once chosen
-    replica: bool = False  # a further copy, loaded in the background (no request waits for it)
-
-    @property
-    def progress(self) -> float:
-        """Fraction of the file read and dequantised (0 until the loader reports)."""
-        return self.done_bytes / self.total_bytes if self.total_bytes else 0.0
-
-    def report(self, done_bytes: int, total_bytes: int) -> None:  # loader thread
-        self.done_bytes, self.total_bytes = done_bytes, total_bytes
-
-
 class Residency:
     def __init__(self, devices: dict, *, dtype: str, weights: str, on_loaded, release, find_device=None):
-        self.devices = devices  # name -> device (residency/devices.py), in engine.devices order
+        self.devices = devices  # name -> device (protocol/device.py), in engine.devices order
         self.dtype = dtype
         self.weights = weights  # engine.weights: the format of models whose entry names none
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
@@ -179,7 +106,7 @@ class Residency:
 
     def _own_bytes(self, device: str) -> int:
         return (self.devices[device].kv_pool_bytes
-                + sum(e.size_bytes for e in self.entries() if e.device == device)
+                + sum(e.size_bytes for e in self.entries() if e.device_name == device)
                 + sum(j.reserved_bytes for j in self.jobs.values() if j.device == device))
 
     def used_bytes(self, device: str) -> int:
@@ -194,15 +121,15 @@ class Residency:
 
     def residents(self, device: str) -> list[Resident]:
         return [Resident(e.key, e.size_bytes, e.last_used,
-                         e.active == 0 and not e.source.pinned and not e.engine.has_work(e.name))
-                for e in self.entries() if e.device == device]
+                         e.active == 0 and not e.source.pinned and not e.device.has_work(e.name))
+                for e in self.entries() if e.device_name == device]
 
     def _entry(self, key: str) -> LoadedEntry:
         return next(e for e in self.entries() if e.key == key)
 
     def outstanding(self, device: str) -> int:
         """Requests on `device`: leases held on its models and loads heading there."""
-        return (sum(e.active for e in self.entries() if e.device == device)
+        return (sum(e.active for e in self.entries() if e.device_name == device)
                 + sum(j.waiters for j in self.jobs.values() if j.device == device))
 
     def place(self, source: ModelSource, need_bytes: int, exclude: set[str] = frozenset()) -> str | None:
@@ -218,7 +145,7 @@ class Residency:
             return None
 
         def fits_now(device: str) -> bool:
-            counted = len([e for e in self.entries() if e.device == device])
+            counted = len([e for e in self.entries() if e.device_name == device])
             return plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
                                   self.max_models, counted) is not None
 
@@ -229,7 +156,7 @@ class Residency:
 
     def forget_device(self, device: str) -> list[LoadedEntry]:
         """`device`'s worker died: its models and warm entries are gone. Returns the entries dropped."""
-        gone = [e for e in self.entries() if e.device == device]
+        gone = [e for e in self.entries() if e.device_name == device]
         for entry in gone:
             if entry.timer is not None:
                 entry.timer.cancel()
@@ -255,7 +182,7 @@ class Residency:
     def evict_over_limits(self) -> None:
         """After the limits shrank: unload idle models, least recently used first, until they hold."""
         for device in self.devices:
-            count = len([e for e in self.entries() if e.device == device])
+            count = len([e for e in self.entries() if e.device_name == device])
             victims = plan_evictions(self.residents(device), 0, self.used_bytes(device), self.budget_bytes,
                                      self.max_models + 1, count)
             for victim in victims or []:
@@ -305,7 +232,7 @@ class Residency:
         source = job.source
         try:
             estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
-            job.device = self.place(source, estimate_bytes, {e.device for e in self.copies(source.name)})
+            job.device = self.place(source, estimate_bytes, {e.device_name for e in self.copies(source.name)})
             if job.device is None:
                 raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
             estimate_bytes, parameter_count = await self._size(source, job.device)  # its weight format there
@@ -357,7 +284,7 @@ class Residency:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            here = [e for e in self.entries() if e.device == device]
+            here = [e for e in self.entries() if e.device_name == device]
             pinned_bytes = sum(e.size_bytes for e in here if e.source.pinned)
             kv_pool_bytes = self.devices[device].kv_pool_bytes
             if need_bytes + pinned_bytes + kv_pool_bytes > self.budget_bytes:
@@ -415,13 +342,13 @@ class Residency:
             await asyncio.gather(*[self.start_unload(self._entry(v.name)) for v in victims])
         log.info("loaded model %s on %s in %.2fs%s (%d bytes of weights)", source.name, device.name, load_s,
                  " from the warm tier" if was_warm else "", weight_bytes)
-        return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, engine=device)
+        return LoadedEntry(source, model, weight_bytes, load_s, was_warm, key, parameter_count, device=device)
 
     # ------------------------------------------------------------------ unload
 
     def start_unload(self, entry: LoadedEntry) -> asyncio.Task:
         """Forget `entry` at once; remove it from the engine (and keep it warm) in a worker thread."""
-        log.info("unloading model %s from %s", entry.name, entry.device)
+        log.info("unloading model %s from %s", entry.name, entry.device_name)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
@@ -434,11 +361,11 @@ class Residency:
     async def _unload(self, entry: LoadedEntry) -> None:
         warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) else None
         try:
-            kept = await asyncio.to_thread(entry.engine.unload, entry.name, entry.model, warm_key)
+            kept = await asyncio.to_thread(entry.device.unload, entry.name, entry.model, warm_key)
             if kept is not None:
                 self.warm.put(entry.warm_key, kept, entry.weight_bytes)
         except Exception as e:
-            log.error("removing model %s from device %s failed: %s", entry.name, entry.device, e)
+            log.error("removing model %s from device %s failed: %s", entry.name, entry.device_name, e)
         finally:
             del self.unloading[entry.key]
             self.unloading_entries.remove(entry)

@@ -2,7 +2,7 @@
 parsing and dequantising its file.
 
 At most memory.host_cache bytes (0 disables it); the least recently unloaded model goes
-first. What a warm entry holds is what its device's `unload` gave back (residency/devices.py): in
+first. What a warm entry holds is what its device's `unload` gave back (protocol/device.py): in
 process, the LoadedModel itself with its weights in host memory (models/host_copy.py); for a
 worker process, the model's text side, the weights staying in the worker, which drops them
 when this cache lets the entry go (`on_drop`). Touched only on the registry's event loop.

@@ -3,13 +3,13 @@
 It starts the process with its device's environment and CPUs, sends typed messages, and a reader
 thread takes everything coming back: outputs go to the callback of their request, snapshots
 replace ``snapshot`` whole (all the event loop reads of the engine), replies and load progress go
-to the caller waiting on them. Its surface is the in-process device's (residency/devices.py), so
+to the caller waiting on them. It is a Device (protocol/device.py), as the in-process one is, so
 the registry and the API do not care where the engine runs.
 
 When the process dies (killed, OOM, a CUDA error, an engine failure) every request in flight
 ends with an "abort" output naming the death (the API answers 503 with Retry-After, or ends the
 stream with an error object), every waiting call raises WorkerDied, and ``on_exit`` tells the
-supervisor, which restarts the worker (daemon_devices.py).
+supervisor, which restarts the worker (residency/device_supervisor.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from gpushare.engine import worker_messages as m
-from gpushare.engine.engine_stats import EngineSnapshot, EngineStats, has_work
-from gpushare.engine.sequence import RequestOutput
-from gpushare.engine.tenants import TenantPolicy
-from gpushare.models.model_head import LoadedModel, load_model_head
+from gpushare.protocol import messages as m
+from gpushare.protocol.device import Device
+from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
+from gpushare.protocol.outputs import RequestOutput
+from gpushare.protocol.tenant_policy import TenantPolicy
+from gpushare.catalog.model_head import LoadedModel, load_model_head
 
 log = logging.getLogger("gpushare.workers")
 
@@ -60,7 +61,7 @@ def openmp_defaults(environ) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": WORKER_GOMP_SPINCOUNT}
 
 
-class WorkerClient:
+class WorkerClient(Device):
     world_size = 1  # engine workers behind this device (a tensor-parallel group has more: group_client.py)
 
     def __init__(self, spec: m.WorkerSpec, env: dict[str, str], kv_pool_bytes: int,

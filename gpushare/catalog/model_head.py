@@ -1,0 +1,177 @@
+"""LoadedModel, and a model's head: everything of it but the weights (config, tokenizer, chat template,
+stop ids, metadata), read from a GGUF header or a Hugging Face folder's JSON and tokenizer files.
+
+Torch-free: the daemon's supervisor tokenises, renders chat and checks limits with a head while the
+weights live in an engine worker process (models/loader.py builds those). ``grammar_vocab`` is the vocabulary as llguidance sees it, for output grammars and
+the exact bytes of logprobs.
+"""
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+
+import llguidance
+
+from gpushare.catalog import chat_template
+from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.catalog.gguf_reader import open_gguf
+from gpushare.catalog.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_vocab_lock = threading.Lock()
+_OUTPUT_TENSORS = ("token_embd.weight", "output.weight")  # GGUF names
+# Chat models end a turn with one of these even when the metadata names another EOS.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
+                    "<|end|>")
+
+
+@dataclass
+class LoadedModel:
+    name_or_path: str
+    config: ModelConfig
+    model: object  # the LlamaModel (models/llama.py); None in a head (load_model_head)
+    tokenizer: Tokenizer
+    template_source: str | None
+    stop_token_ids: set
+    dtype: object  # activations and KV: a torch.dtype (load_model); its name in a head (load_model_head)
+    device: str
+    metadata: dict = field(default_factory=dict)
+    weights: str = "float32"  # the weight format it was built in (gpushare.protocol.weight_format)
+    kernel: str = ""  # the kernels its linears run on (models/linear.Linear.kernel), once built
+    _template: object = None
+    grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
+    whole_config: ModelConfig | None = None  # tensor parallel: the whole model's (``config`` is this rank's)
+    weight_bytes: int = 0  # its weights as stored, once built (models/llama.weight_bytes); 0 in a head
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        if self._template is None:
+            self._template = chat_template.compile_template(self.template_source)
+        return chat_template.render(self._template, messages, self.tokenizer.bos_token, self.tokenizer.eos_token,
+                                    add_generation_prompt=add_generation_prompt, **extra)
+
+
+def grammar_vocab(loaded) -> llguidance.LLTokenizer:
+    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s)."""
+    with _vocab_lock:
+        if loaded.grammar_vocab is None:
+            tokenizer = loaded.tokenizer
+            loaded.grammar_vocab = llguidance.LLTokenizer(
+                tokenizer.hf.to_str(), n_vocab=max(tokenizer.vocab_size, loaded.config.vocab_size),
+                eos_token=sorted(loaded.stop_token_ids))
+        return loaded.grammar_vocab
+
+
+def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu") -> LoadedModel:
+    """What a process that never runs the model needs of it: config, tokenizer, chat template, stop ids
+    and metadata, read without the weights (``model`` is None). ``weights`` names the format the model
+    was built in elsewhere (an engine worker process)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model not found: {path}")
+    if os.path.isdir(path):
+        raw = json.load(open(os.path.join(path, "config.json")))
+        config = config_from_hf(raw)
+        tokenizer, template, stop = hf_text_side(path, raw)
+        info = hf_info(path, raw, config, weights)
+    else:
+        meta, _ = open_gguf(path)
+        config = config_from_gguf(meta)
+        tokenizer, template, stop = gguf_text_side(meta)
+        info = gguf_info(meta, config, weights)
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
+    return LoadedModel(path, config, None, tokenizer, template, stop, dtype, device, info, weights)
+
+
+def matrix_types(tensors) -> set[str]:
+    """GGUF type names of the layers' matrices: what ``auto`` weights are chosen from. The embedding and
+    output matrices are left out: they are int8 under int4 weights too (weight_format.target_of), so a
+    Q4 file with a Q8_0 or Q6_K embedding is still a 4-bit file."""
+    return {t.tensor_type.name for t in tensors if len(t.shape) == 2 and t.name not in _OUTPUT_TENSORS}
+
+
+def gguf_info(meta: dict, config: ModelConfig, weights: str | None = None) -> dict:
+    return {
+        "weights": weights,
+        "format": "gguf",
+        "family": config.arch,
+        "parameter_size": meta.get("general.size_label"),
+        "quantization_level": _file_type_name(meta.get("general.file_type")),
+        "license": meta.get("general.license"),
+        "name": meta.get("general.name"),
+    }
+
+
+def hf_info(path: str, raw: dict, config: ModelConfig, weights: str | None = None) -> dict:
+    return {"weights": weights, "format": "safetensors", "family": config.arch, "parameter_size": None,
+            "quantization_level": str(raw.get("torch_dtype", "float32")).upper(), "name": os.path.basename(path)}
+
+
+def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
+    """(config, chat template, info) without reading weights: for listings and ``show``."""
+    if os.path.isdir(path):
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise FileNotFoundError(f"{path}: no config.json")
+        raw = json.load(open(cfg_file))
+        config = config_from_hf(raw)
+        tok_cfg = os.path.join(path, "tokenizer_config.json")
+        template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
+        return config, template, hf_info(path, raw, config)
+    meta, tensors = open_gguf(path)
+    config = config_from_gguf(meta)
+    info = gguf_info(meta, config)
+    info["source_types"] = matrix_types(tensors)
+    return config, meta.get("tokenizer.chat_template"), info
+
+
+def stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
+    """The given ids, the EOS, and every turn-end marker the vocabulary holds as a whole token: a
+    special one, or an added (user-defined) one as Gemma's ``<end_of_turn>`` is in its GGUF files."""
+    ids = {i for i in extra_ids if i is not None}
+    whole = tokenizer.special_ids | set(tokenizer.hf.get_added_tokens_decoder())
+    for token in (tokenizer.eos_token, *_TURN_END_TOKENS):
+        if token is not None and tokenizer.token_to_id(token) is not None and (
+            token == tokenizer.eos_token or tokenizer.token_to_id(token) in whole
+        ):
+            ids.add(tokenizer.token_to_id(token))
+    return ids
+
+
+def gguf_text_side(meta: dict):
+    """A GGUF's tokenizer, chat template and stop ids, from its metadata."""
+    tokenizer = tokenizer_from_gguf(meta)
+    stop = stop_ids(tokenizer, [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")])
+    return tokenizer, meta.get("tokenizer.chat_template"), stop
+
+
+def hf_text_side(path: str, raw: dict):
+    """A Hugging Face folder's tokenizer, chat template and stop ids."""
+    tokenizer, tok_cfg = tokenizer_from_dir(path)
+    template = tok_cfg.get("chat_template")
+    template_file = os.path.join(path, "chat_template.jinja")
+    if template is None and os.path.isfile(template_file):
+        template = open(template_file).read()
+    stop = stop_ids(tokenizer, _ids(raw.get("eos_token_id")) + _ids(_generation_config(path).get("eos_token_id")))
+    return tokenizer, template, stop
+
+
+def _ids(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _generation_config(path: str) -> dict:
+    """generation_config.json: where chat models (Phi-3, Llama 3) list their turn-end ids too."""
+    file = os.path.join(path, "generation_config.json")
+    return json.load(open(file)) if os.path.isfile(file) else {}
+
+
+def _file_type_name(file_type) -> str | None:
+    if file_type is None:
+        return None
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return str(file_type)

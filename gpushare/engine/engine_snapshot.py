@@ -1,0 +1,43 @@
+"""Building an engine's stats from its live state, on the engine thread (the snapshot's types:
+protocol/engine_stats.py)."""
+
+from gpushare.engine.tenant_ledger import TenantLedger
+from gpushare.protocol.engine_stats import EngineStats, ModelStats
+from gpushare.protocol.tenant_policy import TenantStats
+
+
+def engine_stats(engine) -> EngineStats:
+    pool = engine.kv_pool
+    out = EngineStats(engine.steps, kv_pool_bytes=pool.capacity_bytes, kv_committed_bytes=pool.committed_bytes,
+                      kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs)
+    for name, w in list(engine.models.items()):
+        blocks = w.scheduler.pool
+        out.models[name] = ModelStats(
+            blocks_total=blocks.num_blocks, block_size=blocks.block_size, blocks_used=blocks.num_used,
+            running=len(w.scheduler.running), waiting=len(w.scheduler.waiting), steps=w.steps,
+            prompt_tokens=w.prompt_tokens, generated_tokens=w.generated_tokens,
+            preemptions=w.scheduler.num_preemptions, cached_blocks=len(blocks.cached),
+            block_bytes=blocks.block_bytes,
+            kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)))
+    return out
+
+
+def tenant_stats(ledger: TenantLedger, schedulers: list) -> dict[str, TenantStats]:
+    pools = [s.pool for s in schedulers]
+    bytes_per_token = max((p.bytes_per_token for p in pools), default=0)
+    names = set(ledger.policies) | set(ledger.used_bytes) | set(ledger.computed_tokens)
+    out = {}
+    for name in names:
+        policy = ledger.policy(name)
+        out[name] = TenantStats(kv_used_bytes=ledger.used_bytes.get(name, 0),
+                                kv_reserved_bytes=policy.reserved_bytes(bytes_per_token),
+                                kv_limit_bytes=policy.limit_bytes(bytes_per_token),
+                                computed_tokens=ledger.computed_tokens.get(name, 0),
+                                generated_tokens=ledger.generated_tokens.get(name, 0),
+                                prefix_hit_tokens=ledger.prefix_hit_tokens.get(name, 0))
+    for scheduler in schedulers:
+        for seq in list(scheduler.running):
+            out.setdefault(seq.tenant, TenantStats()).running += 1
+        for seq in list(scheduler.waiting):
+            out.setdefault(seq.tenant, TenantStats()).waiting += 1
+    return out
