@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import anthropic, health, metrics, ollama, ollama_models, openai, responses
+from gpushare.api import anthropic, health, metrics, ollama, ollama_models, ollama_pull, openai, responses
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
 from gpushare.api.tenants import apply_tenant_settings, tenant_middleware
+from gpushare.catalog.pull import Pulls
 
 MAX_BODY_BYTES = 64 << 20  # long prompts and embedding batches, not uploads
 
@@ -23,8 +24,11 @@ def build_app(ctx: ApiContext) -> web.Application:
     app.on_response_prepare.append(add_cors_headers)
     app[CONTEXT] = ctx
     apply_tenant_settings(ctx, ctx.settings)
+    ctx.pulls = Pulls(lambda: ctx.settings.models_dir)
+    app.on_cleanup.append(lambda _: ctx.pulls.close())
     ollama.add_routes(app)
     ollama_models.add_routes(app)
+    ollama_pull.add_routes(app)
     openai.add_routes(app)
     anthropic.add_routes(app)
     responses.add_routes(app)

@@ -25,6 +25,7 @@ class ApiContext:
     engine_stall_s: float = 30.0  # /health fails once the engine loop has been silent this long
     tenants: object = None  # gpushare.api.tenants.TenantGate, set by build_app
     supervisor: object = None  # gpushare.residency.device_supervisor.DeviceSupervisor: the engine workers
+    pulls: object = None  # gpushare.catalog.pull.Pulls: the pulls under way, set by build_app
 
 
 CONTEXT = web.AppKey("gpushare", ApiContext)

@@ -8,7 +8,7 @@ top_p 0.9) except repeat_penalty, which stays 1.0: Ollama applies it to the last
 tokens only (repeat_last_n), a window this engine does not have. A model's own options,
 system prompt and template (api/model_defaults.py) fill what a request leaves out, and a chat
 longer than its context loses its oldest messages as in Ollama. /api/show, /api/create and
-/api/copy are in api/ollama_models.py.
+/api/copy are in api/ollama_models.py, /api/pull and /api/blobs in api/ollama_pull.py.
 """
 
 from __future__ import annotations
@@ -339,8 +339,8 @@ async def load(request: web.Request) -> web.StreamResponse:
 
 
 async def not_supported(request: web.Request) -> web.Response:
-    raise ApiError(501, f"{request.path} is not supported: gpushare serves local files; "
-                        f"register one with `gpushare create NAME --from PATH`")
+    raise ApiError(501, f"{request.path} is not supported: gpushare pulls models and serves local files, "
+                        f"it does not push them")
 
 
 def add_routes(app: web.Application) -> None:
@@ -351,5 +351,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/api/embed", embed)
     app.router.add_post("/api/embeddings", embeddings)
     app.router.add_post("/api/load", load)
-    for path in ("/api/pull", "/api/push"):
-        app.router.add_post(path, not_supported)
+    app.router.add_post("/api/push", not_supported)

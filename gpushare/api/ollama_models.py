@@ -5,8 +5,9 @@
 --modelfile`), its `parameters` text, template, system prompt, license, MESSAGEs, details,
 and `model_info` with the GGUF's own metadata keys (arrays such as the vocabulary only with
 `"verbose": true`, which adds the tensors too). /api/create takes Ollama's JSON form
-(`from`, `parameters`, `system`, `template`, `messages`, `license`) or an older client's
-`modelfile` text; /api/copy registers a model again under a second name.
+(`from`, `parameters`, `system`, `template`, `messages`, `license`; or `files` naming a GGUF
+blob uploaded to /api/blobs) or an older client's `modelfile` text; /api/copy registers a model
+again under a second name.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from gpushare.api.ollama import CAPABILITIES, FOREVER_S, rfc3339
 from gpushare.api.thinking import template_thinks
 from gpushare.api.tenants import check_admin, check_model, is_admin, tenant_rows, visible
 from gpushare.catalog.model_catalog import catalog_problems
+from gpushare.catalog.blob_store import StoreError, blob_path
 from gpushare.residency.registry import RegistrationError
 from gpushare.settings.model_options import (ModelPreset, OptionError, check_template, messages_from_json, options_from_json,
                                     parameters_text)
 from gpushare.catalog.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
 HIDDEN_KEYS = ("general.name", "tokenizer.chat_template")  # Ollama leaves these out of model_info too
-UNSUPPORTED_CREATE = {"files": "(blob upload) is not supported: name a file on the daemon's machine in \"from\"",
-                      "adapters": "is not supported: gpushare does not apply LoRA adapters",
+UNSUPPORTED_CREATE = {"adapters": "is not supported: gpushare does not apply LoRA adapters",
                       "quantize": "is not supported: the weight format is chosen at load (models[].weights)"}
 
 
@@ -115,6 +116,8 @@ async def create(request: web.Request) -> web.Response:
         except ModelfileError as e:
             raise bad_request(str(e), param="modelfile") from None
         base, preset = parsed.base, parsed.preset
+    elif body.get("files"):  # Ollama's newer clients: the files were uploaded to /api/blobs first
+        base, preset = _uploaded_gguf(request, body), _preset_from_body(body)
     else:
         base, preset = required_string(body, "from"), _preset_from_body(body)
     try:
@@ -122,6 +125,23 @@ async def create(request: web.Request) -> web.Response:
     except RegistrationError as e:
         raise bad_request(str(e)) from None
     return web.json_response({"status": "success"})
+
+
+def _uploaded_gguf(request: web.Request, body: dict) -> str:
+    """The blob path of `files`' one GGUF ({"name.gguf": "sha256:..."}); 400 naming what is wrong."""
+    files = field(body, "files", "object")
+    ggufs = [(k, v) for k, v in files.items() if k.endswith(".gguf")]
+    if len(ggufs) != 1 or len(files) != 1:
+        raise bad_request('"files" must name one .gguf file: gpushare creates from a GGUF blob (a safetensors '
+                          'folder can be pulled, or named by path in "from")', param="files")
+    try:
+        path = blob_path(context(request).settings.models_dir, ggufs[0][1])
+    except StoreError as e:
+        raise bad_request(f"files: {ggufs[0][0]}: {e}", param="files") from None
+    if not path.is_file():
+        raise bad_request(f"files: {ggufs[0][0]}: blob {ggufs[0][1]} was not uploaded (POST /api/blobs/<digest>)",
+                          param="files")
+    return str(path)
 
 
 async def copy(request: web.Request) -> web.Response:

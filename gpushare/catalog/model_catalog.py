@@ -2,10 +2,12 @@
 
 Models come from the config's `models` list, from a scan of `models_dir` (every ``*.gguf``
 file, every folder holding a config.json, every ``NAME.modelfile`` that `gpushare create -f`
-wrote) and from Ollama's model stores (catalog/ollama_store.py); on a name clash the config
-wins, then models_dir, then the stores in order. Each carries a ModelPreset (its default
-options, system prompt, template). A description (what /api/show and /api/tags tell) is
-read from the files without the weights, or from the loaded model.
+wrote), from the models gpushare pulled into models_dir (catalog/pull.py: Ollama's store
+layout) and from Ollama's model stores (catalog/ollama_store.py); on a name clash the config
+wins, then models_dir's files, then the pulled models, then Ollama's stores in order. Each
+carries a ModelPreset (its default options, system prompt, template). A description (what
+/api/show and /api/tags tell) is read from the files without the weights, or from the loaded
+model.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class ModelSource:
     name: str
     path: str
     keep_alive_s: float | None = None  # None: the server default
-    origin: str = "config"  # "config" | "models_dir"
+    origin: str = "config"  # "config" | "models_dir" | "pulled" (gpushare's store) | "ollama" (Ollama's)
     pinned: bool = False  # never evicted nor unloaded
     preload: bool = False  # loaded at daemon start
     weight: float = 1.0  # share of engine steps when several models are busy
@@ -118,15 +120,18 @@ def catalog_problems(settings: Settings) -> list[str]:
     """Why the files the last listing skipped (broken manifests, Modelfiles) were skipped."""
     created = [message for path, message in sorted(_created_problems.items())
                if path.parent == settings.models_dir and path.exists() and _created_cache[path][1] is None]
-    return created + [message for root in settings.ollama_models for message in store_problems(root)]
+    return created + [message for root in [settings.models_dir, *settings.ollama_models]
+                      for message in store_problems(root)]
 
 
 def model_sources(settings: Settings) -> dict[str, ModelSource]:
-    """Every available model by name: Ollama's stores, the models_dir scan, the config's entries (last wins)."""
+    """Every available model by name: Ollama's stores, what was pulled into models_dir, the models_dir scan,
+    the config's entries (last wins)."""
     found = {}
-    for root in reversed(settings.ollama_models):  # the first store named wins a clash between stores
+    stores = [(root, "ollama") for root in reversed(settings.ollama_models)]  # the first store named wins a clash
+    for root, origin in [*stores, (settings.models_dir, "pulled")]:
         for name, manifest, path, sha256, preset in scan_store(root):
-            found[name] = ModelSource(name, path, origin="ollama", preset=preset, definition=str(manifest),
+            found[name] = ModelSource(name, path, origin=origin, preset=preset, definition=str(manifest),
                                       sha256=sha256)
     found.update((s.name, s) for s in scan_models_dir(settings.models_dir))
     for m in settings.models:

@@ -88,7 +88,7 @@ def removable_file(source: ModelSource) -> str:
     if source.origin == "ollama":
         raise RegistrationError(f'model "{source.name}" is in Ollama\'s store ({source.definition}), which gpushare '
                                 f"only reads; remove it with `ollama rm {source.name}`")
-    if source.definition is not None:
+    if source.definition is not None:  # a .modelfile, or a pulled model's manifest
         return source.definition
     if not os.path.islink(source.path):
         raise RegistrationError(f'model "{source.name}" is a file in the models directory, not a link made by '

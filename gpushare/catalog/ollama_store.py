@@ -29,6 +29,7 @@ log = logging.getLogger("gpushare.registry")
 DEFAULT_REGISTRY = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 MEDIA_TYPE = "application/vnd.ollama.image."
+FOLDER_MEDIA_TYPE = "application/vnd.gpushare.folder.v1+json"  # an HF folder pulled (catalog/hf_pull.py)
 SKIPPED_LAYERS = {"template": "Go template: the GGUF's own chat template is used",
                   "projector": "vision projector: text only"}
 
@@ -74,6 +75,12 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
     if not isinstance(layers, list) or not all(isinstance(x, dict) and isinstance(x.get("digest"), str)
                                                and isinstance(x.get("mediaType"), str) for x in layers):
         raise StoreError(f"{manifest}: not an Ollama manifest (no \"layers\" list of {{mediaType, digest}})")
+    config = doc.get("config")
+    if isinstance(config, dict) and config.get("mediaType") == FOLDER_MEDIA_TYPE:
+        folder = root / "folders" / str(config.get("digest")).replace(":", "-")
+        if folder.parent != root / "folders" or not (folder / "config.json").is_file():
+            raise StoreError(f"{manifest}: the model's folder is missing: {folder}")
+        return str(folder), folder.name.removeprefix("sha256-"), ModelPreset()
     model, preset = None, ModelPreset()
     for layer in layers:
         kind = layer["mediaType"].removeprefix(MEDIA_TYPE)

@@ -96,3 +96,26 @@ def load_with_progress(model: str, keep_alive: str | None) -> dict:
         bar.close()
     return final
 
+
+
+def pull_with_progress(model: str, insecure: bool) -> None:
+    """Pull through /api/pull, drawing a progress bar per layer and the other steps as lines on stderr."""
+    bars: dict[str, ProgressBar] = {}
+    current = None
+    try:
+        for line in stream("/api/pull", {"model": model, "insecure": insecure, "stream": True}):
+            digest = line.get("digest")
+            if digest and line.get("total") is not None:
+                if digest != current and current in bars:
+                    bars[current].close()  # layers come one after another: each keeps its own line
+                current = digest
+                bar = bars.setdefault(digest, ProgressBar(line["status"]))
+                bar.update(line.get("completed", 0), line["total"])
+            elif line.get("status"):
+                if current in bars:
+                    bars[current].close()
+                    current = None
+                print(line["status"], file=sys.stderr)
+    finally:
+        if current in bars:
+            bars[current].close()

@@ -14,7 +14,7 @@ import sys
 import time
 
 from gpushare.cli.format import human_bytes, human_delta, parse_time, print_model_info, table
-from gpushare.cli.http_client import ApiFailure, DaemonUnreachable, call, load_with_progress
+from gpushare.cli.http_client import ApiFailure, DaemonUnreachable, call, load_with_progress, pull_with_progress
 from gpushare.cli.run import cmd_run
 from gpushare.settings.settings import ConfigError
 from gpushare.catalog.modelfile import ModelfileError, parse_modelfile
@@ -168,6 +168,12 @@ def cmd_cp(args) -> int:
     return 0
 
 
+def cmd_pull(args) -> int:
+    pull_with_progress(args.model, args.insecure)
+    print(f"pulled {args.model}")
+    return 0
+
+
 def cmd_rm(args) -> int:
     for name in args.names:
         call("DELETE", "/api/delete", {"model": name})
@@ -276,9 +282,20 @@ def _add_store_verbs(sub) -> None:
     p.add_argument("destination", metavar="DESTINATION")
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser("rm", help="remove models made by create",
+    p = sub.add_parser("pull", help="download a model from a registry",
+                       description="Download MODEL into the daemon's models directory (a content-addressed store: "
+                       "blobs shared between models, resumed after a cut) and make it available. MODEL is "
+                       "name[:tag] (Ollama's library), namespace/name[:tag], host[:port]/namespace/name[:tag] "
+                       "(that registry), or hf.co/USER/REPO[:QUANT] (Hugging Face: a GGUF quant, or a "
+                       "safetensors repo; $HF_ENDPOINT and $HF_TOKEN as the daemon sees them).")
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--insecure", action="store_true", help="allow plain HTTP to the registry")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("rm", help="remove models made by create or pull",
                        description="Unload each NAME and remove its link or Modelfile from the models directory "
-                       "(the weights it points to are kept).")
+                       "(the weights it points to are kept), or a pulled model's manifest and the blobs no "
+                       "other model uses.")
     p.add_argument("names", metavar="NAME", nargs="+")
     p.set_defaults(func=cmd_rm)
 

@@ -23,7 +23,9 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+from gpushare.catalog.blob_store import drop_unused
 from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
@@ -191,13 +193,18 @@ class Registry:
         return source
 
     async def remove(self, name: str) -> None:
-        """Unload `name` and delete its models_dir link or .modelfile; config and Ollama-store models are refused."""
+        """Unload `name` and delete its models_dir link, .modelfile or pulled manifest (and the blobs no
+        other model uses); config and Ollama-store models are refused."""
         source = self.find(name)
         path = removable_file(source)
         await self.unload(source.name)
         for device in self.devices:
             self.residency.warm.take(self.residency.warm_key(source, device))
         os.unlink(path)
+        if source.origin == "pulled":
+            kept = {Path(s.path) for s in self.sources().values()}  # a link or config entry may name a blob
+            dropped = drop_unused(self.settings.models_dir, kept)
+            log.info("removed %s and %d files no other model uses", source.name, len(dropped))
 
     # ------------------------------------------------------------------ requests
 

@@ -1,0 +1,223 @@
+"""A model registry on 127.0.0.1 for the pull tests: Ollama's registry protocol and Hugging Face's API.
+
+`Registry` serves, from a thread with its own event loop:
+- `/v2/<namespace>/<name>/manifests/<tag>` and `/v2/<namespace>/<name>/blobs/<digest>` (GET and HEAD,
+  `Range: bytes=a-b` answered 206), optionally behind Docker's Bearer token flow (`/token`);
+- Hugging Face's `/api/models/<repo>[/revision/<rev>]` and `/<repo>/resolve/<rev>/<file>` (what
+  huggingface_hub calls), recording the Authorization it gets.
+Every request is logged (`requests`: method, path, Range, Authorization, bytes sent). Faults for the
+tests: `cut_after[digest] = n` closes the connection after n bytes of that blob's next answer (once);
+`corrupt` holds digests served with one byte changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+MEDIA = "application/vnd.ollama.image."
+CHUNK = 64 << 10
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    range: str | None
+    authorization: str | None
+    sent: int = 0
+
+
+@dataclass
+class HfRepo:
+    files: dict[str, Path]
+    sha: str = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _read(data: Path | bytes, start: int, end: int) -> bytes:
+    if isinstance(data, bytes):
+        return data[start:end]
+    with open(data, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+@dataclass
+class Registry:
+    blobs: dict[str, Path | bytes] = field(default_factory=dict)
+    manifests: dict[tuple[str, str, str], bytes] = field(default_factory=dict)
+    hf_repos: dict[str, HfRepo] = field(default_factory=dict)
+    requests: list[Seen] = field(default_factory=list)
+    cut_after: dict[str, int] = field(default_factory=dict)
+    corrupt: set[str] = field(default_factory=set)
+    token: str | None = None  # when set: Docker's Bearer flow, /token hands out this
+    on_blob: object = None  # called with the digest as a blob's answer starts (a test's hook)
+    port: int = 0
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def add_blob(self, data: bytes | Path) -> dict:
+        raw = data.read_bytes() if isinstance(data, Path) else data
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        self.blobs[digest] = data
+        return {"digest": digest, "size": len(raw)}
+
+    def add_model(self, namespace: str, name: str, tag: str, gguf: Path | bytes,
+                  layers: dict[str, bytes | str | dict] | None = None) -> dict:
+        """A manifest as Ollama's registry serves one: config blob, the GGUF and the text layers."""
+        out = [{"mediaType": MEDIA + "model", **self.add_blob(gguf)}]
+        for kind, content in (layers or {}).items():
+            data = json.dumps(content).encode() if isinstance(content, dict) else \
+                content.encode() if isinstance(content, str) else content
+            out.append({"mediaType": MEDIA + kind, **self.add_blob(data)})
+        config = self.add_blob(json.dumps({"model_format": "gguf", "model_family": "llama"}).encode())
+        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                    "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **config},
+                    "layers": out}
+        self.manifests[(namespace, name, tag)] = json.dumps(manifest).encode()
+        return manifest
+
+    def blob_requests(self, digest: str) -> list[Seen]:
+        return [r for r in self.requests if r.path.endswith(digest) and r.method == "GET"]
+
+    # ------------------------------------------------------------------ handlers
+
+    def _authorized(self, request: web.Request) -> bool:
+        return self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    def _challenge(self) -> web.Response:
+        realm = f"http://{self.host}/token"
+        return web.Response(status=401, headers={
+            "WWW-Authenticate": f'Bearer realm="{realm}",service="test-registry",scope="repository:pull"'})
+
+    async def _token(self, request: web.Request) -> web.Response:
+        ok = request.query.get("service") == "test-registry" and request.query.get("scope") == "repository:pull"
+        return web.json_response({"token": self.token}) if ok else web.Response(status=400)
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
+        if not self._authorized(request):
+            return self._challenge()
+        m = request.match_info
+        body = self.manifests.get((m["namespace"], m["name"], m["tag"]))
+        if body is None:
+            return web.json_response({"errors": [{"code": "MANIFEST_UNKNOWN"}]}, status=404)
+        return web.Response(body=body, content_type="application/vnd.docker.distribution.manifest.v2+json")
+
+    async def _send_file(self, request: web.Request, data: Path | bytes, digest: str | None,
+                         headers: dict | None = None) -> web.StreamResponse:
+        seen = Seen(request.method, request.path, request.headers.get("Range"), request.headers.get("Authorization"))
+        self.requests.append(seen)
+        if self.on_blob is not None and digest:
+            self.on_blob(digest)
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        start, end, status = 0, size, 200
+        if seen.range:
+            a, _, b = seen.range.removeprefix("bytes=").partition("-")
+            start, end, status = int(a), min(int(b) + 1 if b else size, size), 206
+        headers = {**(headers or {}), "Content-Length": str(end - start), "Accept-Ranges": "bytes"}
+        if status == 206:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        response = web.StreamResponse(status=status, headers=headers)
+        await response.prepare(request)
+        if request.method == "HEAD":
+            return response
+        cut = self.cut_after.pop(digest, None) if digest else None
+        for offset in range(start, end, CHUNK):
+            piece = _read(data, offset, min(offset + CHUNK, end))
+            if digest in self.corrupt and offset + len(piece) == size:
+                piece = piece[:-1] + bytes([piece[-1] ^ 1])
+            if cut is not None and seen.sent + len(piece) > cut:
+                piece = piece[:cut - seen.sent]
+                await response.write(piece)
+                seen.sent += len(piece)
+                request.transport.close()  # flushes what was written, then FIN: a connection cut mid-blob
+                return response
+            await response.write(piece)
+            seen.sent += len(piece)
+        await response.write_eof()
+        return response
+
+    async def _blob(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
+            return self._challenge()
+        digest = request.match_info["digest"]
+        if digest not in self.blobs:
+            return web.json_response({"errors": [{"code": "BLOB_UNKNOWN"}]}, status=404)
+        return await self._send_file(request, self.blobs[digest], digest)
+
+    async def _hf_info(self, request: web.Request) -> web.Response:
+        self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
+        repo = self.hf_repos.get(f"{request.match_info['user']}/{request.match_info['repo']}")
+        if repo is None:
+            return web.json_response({"error": "Repository not found"}, status=404)
+        siblings = []
+        for name, path in repo.files.items():
+            raw = path.read_bytes()
+            entry = {"rfilename": name, "size": len(raw), "blobId": hashlib.sha1(raw).hexdigest()}
+            if name.endswith(".safetensors"):
+                entry["lfs"] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw), "pointerSize": 134}
+            siblings.append(entry)
+        return web.json_response({"id": request.match_info["user"] + "/" + request.match_info["repo"],
+                                  "sha": repo.sha, "siblings": siblings, "private": False})
+
+    async def _hf_file(self, request: web.Request) -> web.StreamResponse:
+        repo = self.hf_repos.get(f"{request.match_info['user']}/{request.match_info['repo']}")
+        path = repo and repo.files.get(request.match_info["file"])
+        if path is None:
+            self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
+            return web.json_response({"error": "Entry not found"}, status=404,
+                                     headers={"X-Error-Code": "EntryNotFound"})
+        raw = path.read_bytes()
+        etag = hashlib.sha256(raw).hexdigest() if path.suffix == ".safetensors" else hashlib.sha1(raw).hexdigest()
+        return await self._send_file(request, path, None, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        v2 = "/v2/{namespace}/{name}"
+        app.router.add_get(v2 + "/manifests/{tag}", self._manifest)
+        app.router.add_get(v2 + "/blobs/{digest}", self._blob)  # aiohttp adds HEAD for GET routes
+        app.router.add_get("/token", self._token)
+        app.router.add_get("/api/models/{user}/{repo}", self._hf_info)
+        app.router.add_get("/api/models/{user}/{repo}/revision/{revision}", self._hf_info)
+        app.router.add_get("/{user}/{repo}/resolve/{revision}/{file}", self._hf_file)
+        return app
+
+
+class Serving:
+    """`registry` served on 127.0.0.1 from a thread until stop()."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        if not self.started.wait(30):
+            raise RuntimeError("the test registry did not start")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(self.registry.app())
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.registry.port = site._server.sockets[0].getsockname()[1]
+        self.runner = runner
+        self.started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(runner.cleanup())
+        self.loop.close()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
