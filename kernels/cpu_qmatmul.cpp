@@ -6,9 +6,13 @@
 //
 // A block's integer dot product is exact; the float sums over blocks run in one fixed order (blocks
 // in K order, one lane per output channel) whatever the number of rows or threads, so a row's result
-// is bit for bit the same alone and in any batch. With AVX-512 VNNI a block's products are vpdpbusd
-// (unsigned weight bytes times signed activation bytes); elsewhere a portable loop gives the same
-// numbers more slowly (gpushare/models/cpu_kernels.py measures which kernel wins on the CPU at hand).
+// is bit for bit the same alone and in any batch. A block's products are, by the build's ISA
+// (kernels/cpu_ops.py): AVX-512 VNNI vpdpbusd (unsigned weight bytes times signed activation bytes,
+// 16 channels a register); AVX-VNNI's VEX vpdpbusd, 8 channels a register; AVX2 vpmaddubsw/vpmaddwd
+// (pairs of products summed in 16 bits, where they cannot saturate: int4 codes are at most 15, and
+// int8 codes are multiplied as |w| times x with w's sign, at most 2 x 128 x 127); elsewhere a
+// portable loop. Each gives the same integers, and then the same float operations in the same order,
+// so the same bits (gpushare/models/cpu_kernels.py measures which kernel wins on the CPU at hand).
 //
 // Weight layouts, packed at load (cpu_qmatmul.py), in tiles of 16 output channels:
 // - int8: [N/16][K/4][16][4] bytes, each the code + 128; y[n] = scale[n] * sum over blocks.
@@ -28,11 +32,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define GPUSHARE_VNNI512 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define GPUSHARE_SIMD256 1
 #endif
 
 namespace {
@@ -238,11 +246,20 @@ void block_vnni(const Activations& a, int64_t row0, int64_t rows, const Weights&
 
 #endif
 
-bool has_vnni() {
-#ifdef GPUSHARE_VNNI512
-  return true;
+#ifdef GPUSHARE_SIMD256
+#include "cpu_qmatmul_256.h"
+#endif
+
+// The block kernel's instructions in this build.
+std::string kernel_name() {
+#if defined(GPUSHARE_VNNI512)
+  return "avx512-vnni";
+#elif defined(GPUSHARE_SIMD256) && defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(GPUSHARE_SIMD256)
+  return "avx2";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
@@ -250,7 +267,7 @@ bool has_vnni() {
 
 namespace gpushare {
 
-// x [M, K] float32; codes as packed above; bits 8 or 4; portable: the portable kernel even where VNNI is.
+// x [M, K] float32; codes as packed above; bits 8 or 4; portable: the portable kernel even where a SIMD one is.
 at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, int64_t n, int64_t bits, bool portable) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [rows, K]");
@@ -282,7 +299,7 @@ at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, con
     w.scales = scales.data_ptr<float>();
   }
   float* op = out.data_ptr<float>();
-  const bool vnni = has_vnni() && !portable;
+  [[maybe_unused]] const bool simd = !portable;  // a SIMD kernel, where the build has one
   const int64_t groups = (tiles + kMaxTiles - 1) / kMaxTiles;
   // Threads split the output channels: each reads its share of the weights once, every row against it.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -290,9 +307,14 @@ at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, con
       const int64_t t0 = g * kMaxTiles, count = std::min<int64_t>(kMaxTiles, tiles - t0);
       for (int64_t row = 0; row < rows; row += kMaxRows) {
         const int64_t height = std::min<int64_t>(kMaxRows, rows - row);
-#ifdef GPUSHARE_VNNI512
-        if (vnni) {
+#if defined(GPUSHARE_VNNI512)
+        if (simd) {
           block_vnni(a, row, height, w, t0, count, op, n);
+          continue;
+        }
+#elif defined(GPUSHARE_SIMD256)
+        if (simd) {
+          block_256(a, row, height, w, t0, count, op, n);
           continue;
         }
 #endif
@@ -308,7 +330,7 @@ at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, con
 
 TORCH_LIBRARY_FRAGMENT(gpushare, m) {
   m.def("quantized_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, int bits, bool portable) -> Tensor");
-  m.def("quantized_matmul_vnni() -> bool", &has_vnni);
+  m.def("quantized_matmul_kernel() -> str", &kernel_name);
 }
 
 TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("quantized_matmul", &gpushare::quantized_matmul); }

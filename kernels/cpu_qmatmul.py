@@ -54,13 +54,14 @@ def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, out_features: int,
            portable: bool = False) -> torch.Tensor:
     """float32 ``x [..., K] @ w.T``: int8 weights when ``mins`` is None, int4 otherwise. ``portable``
-    runs the portable kernel where VNNI is present (the same numbers; for tests and timing)."""
+    runs the portable kernel where the build has a SIMD one (the same numbers; for tests and timing)."""
     rows = x.reshape(-1, x.shape[-1])
     bits = 8 if mins is None else 4
     y = torch.ops.gpushare.quantized_matmul(rows, codes, scales, mins, out_features, bits, portable)
     return y.view(*x.shape[:-1], out_features)
 
 
-def has_vnni() -> bool:
-    """Whether the build has the AVX-512 VNNI kernel (otherwise only the portable one)."""
-    return torch.ops.gpushare.quantized_matmul_vnni()
+def kernel() -> str:
+    """The build's block kernel (kernels/cpu_ops.py picks its ISA): "avx512-vnni", "avx-vnni", "avx2"
+    or "portable" (only the portable loop)."""
+    return torch.ops.gpushare.quantized_matmul_kernel()

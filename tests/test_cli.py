@@ -73,7 +73,7 @@ def test_list(daemon, host_env, capsys):
     r = gpushare(daemon, "list")
     assert r.returncode == 0, r.stderr
     header, row = r.stdout.splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED", "STATE"] and row.startswith(MODEL)
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED", "KIND", "STATE"] and row.startswith(MODEL)
     assert cli.main(["list", "--json"]) == 0
     assert [m["name"] for m in json.loads(capsys.readouterr().out)["models"]] == [MODEL]
 

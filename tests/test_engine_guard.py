@@ -137,8 +137,12 @@ def test_a_failed_loop_ends_every_stream_and_refuses_new_work(llm):
         engine.shutdown()
 
 
-def test_generation_steps_run_between_the_inputs_of_a_large_embedding(llm):
-    engine = small_engine(llm, num_blocks=128)
+def test_generation_steps_run_between_the_batches_of_a_large_embedding(llm):
+    inputs = [chat_ids(llm, p) for p in PROMPTS]
+    # A step's token budget below any two inputs: each input is a batch of its own.
+    budget = 2 * min(map(len, inputs)) - 1
+    assert budget >= max(map(len, inputs))
+    engine = small_engine(llm, num_blocks=128, max_num_batched_tokens=budget)
     engine.start()
     try:
         first_token, finished = threading.Event(), threading.Event()
@@ -151,7 +155,6 @@ def test_generation_steps_run_between_the_inputs_of_a_large_embedding(llm):
         engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(64)), on_output)
         assert first_token.wait(120)
         steps_before = engine.steps
-        inputs = [chat_ids(llm, p) for p in PROMPTS]
         future = engine.embed(EmbedRequest("m", inputs))
         steps_at_end = []
         future.add_done_callback(lambda f: steps_at_end.append(engine.steps))  # runs on the engine thread
@@ -159,5 +162,5 @@ def test_generation_steps_run_between_the_inputs_of_a_large_embedding(llm):
         assert finished.wait(300)
     finally:
         engine.shutdown()
-    # One input per loop turn: the running generation took a step between each two of them.
+    # One embedding batch per loop turn: the running generation took a step between each two of them.
     assert steps_at_end[0] - steps_before >= len(inputs) - 1

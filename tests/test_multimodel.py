@@ -350,7 +350,7 @@ def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
         assert wait_for(lambda: states()[SMOL] == "warm"), states()
         r = subprocess.run([str(GPUSHARE), "list"], capture_output=True, text=True, env=daemon.env())
         rows = {line.split()[0]: line.split()[-1] for line in r.stdout.splitlines()[1:]}
-        assert r.stdout.split()[:5] == ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]
+        assert r.stdout.split()[:6] == ["NAME", "ID", "SIZE", "MODIFIED", "KIND", "STATE"]
         assert rows == {TINY: "loaded", SMOL: "warm", COPY: "disk"}  # "on disk": the last word
 
         r = subprocess.run([str(GPUSHARE), "load", SMOL], capture_output=True, text=True, env=daemon.env())
@@ -361,10 +361,12 @@ def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
         r = subprocess.run([str(GPUSHARE), "ps"], capture_output=True, text=True, env=daemon.env())
         header, *lines = r.stdout.splitlines()
         assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV", "BLOCKS", "RUN/QUEUED",
-                                  "DEVICE", "WORKER", "PID"]
+                                  "DEVICE", "WORKER", "PID", "KIND", "WEIGHTS"]
         tiny_line = next(line for line in lines if line.startswith(TINY))
         assert "100% CPU" in tiny_line and "Forever" in tiny_line and f"0/{ps[TINY]['kv_blocks_total']}" in tiny_line
-        assert tiny_line.split()[-2:] == ["cpu", str(ps[TINY]["worker_pid"])]
+        words = tiny_line.split()  # ... DEVICE, WORKER PID, KIND, then WEIGHTS (a format and its kernel)
+        assert words[words.index("cpu"):words.index("cpu") + 3] == ["cpu", str(ps[TINY]["worker_pid"]), "chat"]
+        assert words[-2] == ps[TINY]["weights"]
         r = subprocess.run([str(GPUSHARE), "unload", TINY], capture_output=True, text=True, env=daemon.env())
         assert r.returncode == 1 and "is pinned" in r.stderr
     finally:

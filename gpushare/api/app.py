@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import anthropic, health, metrics, ollama, ollama_models, ollama_pull, openai, responses
+from gpushare.api import anthropic, health, metrics, ollama, ollama_models, ollama_pull, openai, rerank, responses
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
@@ -32,6 +32,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     openai.add_routes(app)
     anthropic.add_routes(app)
     responses.add_routes(app)
+    rerank.add_routes(app)
     health.add_routes(app)
     metrics.setup(app, ctx)
     return app

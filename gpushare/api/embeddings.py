@@ -1,54 +1,123 @@
-"""Embeddings shared by both dialects: tokenise, truncate to the context, `engine.embed`."""
+"""Embeddings and relevance scores shared by the dialects: tokenise as the model frames its inputs,
+truncate to its context (or refuse), run one EmbedRequest through the engine, Matryoshka ``dimensions``.
+
+A model serves what its kind says (LoadedModel.kind): chat models generate and embed, embedding
+models embed, rerankers score; asking a model for what it does not serve is a 400 that says what it is for.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from aiohttp import web
 
-from gpushare.api.context import context, encode_text, off_loop
+from gpushare.api.context import context, off_loop
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, check_embed, usable_context
 
+SERVES = {"chat": ("chat", "embed"), "embedding": ("embed",), "rerank": ("rerank",)}
+_FOR = {"chat": "chat and completion (and embeddings)", "embedding": "embeddings (/api/embed, /v1/embeddings)",
+        "rerank": "reranking (/v1/rerank, /v1/score)"}
+
+
+def check_serves(loaded, name: str, task: str) -> None:
+    """400 unless the model serves ``task`` (chat | embed | rerank)."""
+    kind = loaded.kind
+    if task not in SERVES[kind]:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise bad_request(f'"{name}" is {article} {kind} model: it serves {_FOR[kind]}, not {task}', param="model")
+
+
+def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[int]]:
+    """Token ids per input (text framed by the model's special tokens, or ids as given), cut to ``limit``."""
+    out = []
+    for i, item in enumerate(inputs):
+        ids, full = loaded.tokenizer.encode_input(item, limit) if isinstance(item, str) else (item[:limit], len(item))
+        if not full:
+            raise bad_request(f"input[{i}] is empty", param="input")
+        if full > limit and not truncate:
+            raise bad_request(f"input[{i}] is {full} tokens, longer than the context of {limit} tokens "
+                              "(truncate: true cuts it to fit)", param="input")
+        out.append(ids)
+    return out
+
+
+def _pairs(loaded, pairs: list[tuple[str, str]], limit: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    ids, types = [], []
+    for query, document in pairs:
+        pair_ids, pair_types = loaded.pair_input(query, document, limit)
+        ids.append(pair_ids)
+        types.append(pair_types)
+    return ids, (types if all(t is not None for t in types) else None)
+
+
+def matryoshka(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
+    """The first ``dimensions`` values of each vector, L2-normalised again (Matryoshka embeddings)."""
+    if not dimensions:
+        return vectors
+    out = []
+    for v in vectors:
+        head = v[:dimensions]
+        norm = math.sqrt(sum(x * x for x in head)) or 1.0
+        out.append([x / norm for x in head])
+    return out
+
 
 async def embed_texts(request: web.Request, model: str, inputs: list[str | list[int]], keep_alive: float | None,
-                      truncate: bool = True) -> tuple[list[list[float]], Timings]:
+                      truncate: bool = True, dimensions: int | None = None) -> tuple[list[list[float]], Timings]:
     """One vector per input (text, or token ids); no inputs only loads the model. At most
     limits.max_embed_inputs inputs of limits.max_embed_tokens tokens in all."""
+    check_prompt_chars((item for item in inputs if isinstance(item, str)), "input", limits_of(request))
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1):
+        raise bad_request(f'"dimensions" must be a positive integer, got {dimensions!r}', param="dimensions")
+
+    def tokenise(loaded, limit):
+        width = loaded.config.hidden_size
+        if dimensions is not None and dimensions > width:
+            raise bad_request(f'"dimensions" ({dimensions}) is larger than the model\'s {width}', param="dimensions")
+        return _tokenised(loaded, inputs, limit, truncate), None
+
+    vectors, timings = await _run(request, model, keep_alive, len(inputs), "embed", tokenise)
+    return matryoshka(vectors, dimensions), timings
+
+
+async def score_pairs(request: web.Request, model: str, pairs: list[tuple[str, str]],
+                      keep_alive: float | None = None) -> tuple[list[float], Timings]:
+    """One relevance score in [0, 1] per (query, document) pair, from a reranking model; each pair is cut
+    to the model's context (the longer text first)."""
+    check_prompt_chars([text for pair in pairs for text in pair], "documents", limits_of(request))
+    return await _run(request, model, keep_alive, len(pairs), "rerank",
+                      lambda loaded, limit: _pairs(loaded, pairs, limit))
+
+
+async def _run(request: web.Request, model: str, keep_alive: float | None, count: int, task: str, tokenise):
+    """Admit, lease the model, tokenise (``tokenise(loaded, limit) -> (ids, type_ids)``), run the engine."""
     check_keep_alive(request, keep_alive)
     limits = limits_of(request)
-    check_count("input", len(inputs), "inputs", "max_embed_inputs", limits)
-    check_prompt_chars((item for item in inputs if isinstance(item, str)), "input", limits)
+    check_count("input", count, "inputs", "max_embed_inputs", limits)
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
         timings.load_s = lease.load_duration_s
-        if not inputs:
+        if not count:
             return [], timings
+        check_serves(lease.model, model, task)
         model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.node.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
-        token_lists = []
-        encoded = await off_loop(lambda: [encode_text(lease.model, x) if isinstance(x, str) else x for x in inputs])
-        for i, ids in enumerate(encoded):
-            if not ids:
-                raise bad_request(f"input[{i}] is empty", param="input")
-            if len(ids) > limit:
-                if not truncate:
-                    raise bad_request(f"input[{i}] is {len(ids)} tokens, longer than the context of {limit} tokens",
-                                      param="input")
-                ids = ids[:limit]
-            token_lists.append(ids)
+        token_lists, type_ids = await off_loop(tokenise, lease.model, limit)
         timings.prompt_tokens = sum(len(ids) for ids in token_lists)
         check_count("input", timings.prompt_tokens, "tokens", "max_embed_tokens", limits)
         ticket.charge_tokens(timings.prompt_tokens, timings)
-        embed = EmbedRequest(lease.entry.name, token_lists, ticket.tenant)
+        embed = EmbedRequest(lease.entry.name, token_lists, ticket.tenant, type_ids=type_ids,
+                             task="score" if task == "rerank" else "embed")
         try:
             check_embed(token_lists, model_limits, tenant_limit_bytes, ticket.tenant)
-            vectors = await asyncio.wrap_future(lease.device.embed(embed))
+            results = await asyncio.wrap_future(lease.device.embed(embed))
         except ValueError as e:
             raise bad_request(str(e)) from None
         except KVCacheBusy as e:
@@ -56,4 +125,4 @@ async def embed_texts(request: web.Request, model: str, inputs: list[str | list[
         except EngineFailed as e:
             raise engine_failed(e) from None
         timings.end_s = time.monotonic()
-        return vectors, timings
+        return results, timings

@@ -22,7 +22,7 @@ import time
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text, off_loop
-from gpushare.api.embeddings import embed_texts
+from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
@@ -40,10 +40,6 @@ from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output,
 from gpushare.api.turn import ReplyStream, whole_reply
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
-# What every model served here does: generate (every supported architecture is a causal LM), call
-# tools (through its template or the documented fallback, forced calls held to their schema by
-# constrained decoding: api/tools.py) and embed (mean-pooled hidden states, /api/embed).
-CAPABILITIES = ["completion", "tools", "embedding"]
 LOAD_PROGRESS_INTERVAL_S = 0.1  # /api/load: how often a progress line may be written
 FOREVER_S = 292 * 365 * 86400  # Ollama's expires_at for keep_alive < 0
 
@@ -153,6 +149,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
+        check_serves(lease.model, model, "chat")
         preset = lease.entry.source.preset
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
@@ -278,11 +275,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def embed(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    if body.get("dimensions"):
-        raise bad_request('"dimensions" is not supported', param="dimensions")
     texts = string_list(body, "input")
     truncate = field(body, "truncate", "boolean", True)
-    vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate)
+    vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate,
+                                   body.get("dimensions"))
     fields = t.ollama_fields()
     return web.json_response({"model": model, "embeddings": vectors, "total_duration": fields["total_duration"],
                               "load_duration": fields["load_duration"], "prompt_eval_count": t.prompt_tokens})
@@ -293,7 +289,9 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     model = required_string(body, "model")
     prompt = field(body, "prompt", "string", "")
-    vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body))
+    truncate = field(body, "truncate", "boolean", True)
+    vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body), truncate,
+                                   body.get("dimensions"))
     return web.json_response({"embedding": vectors[0] if vectors else []})
 
 

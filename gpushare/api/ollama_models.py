@@ -22,7 +22,7 @@ from gpushare.api.errors import bad_request
 from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import context_room
-from gpushare.api.ollama import CAPABILITIES, FOREVER_S, rfc3339
+from gpushare.api.ollama import FOREVER_S, rfc3339
 from gpushare.api.thinking import template_thinks
 from gpushare.api.tenants import check_admin, check_model, is_admin, tenant_rows, visible
 from gpushare.catalog.model_catalog import catalog_problems
@@ -70,8 +70,9 @@ async def show(request: web.Request) -> web.Response:
         "parameters": parameters_text(preset.options),
         "template": template,
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, 
-        "capabilities": CAPABILITIES + (["thinking"] if template_thinks(template) else []),
+        "details": desc.details, "model_info": model_info,
+        "capabilities": desc.capabilities + (["thinking"] if desc.kind == "chat" and template_thinks(template)
+                                             else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
         "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
     }

@@ -20,7 +20,7 @@ import uuid
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text, off_loop
-from gpushare.api.embeddings import embed_texts
+from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import (field, message_list, read_json_object, reject_unsupported, required_string,
                                  string_list, text_parts)
@@ -139,6 +139,7 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, None) as lease:
+        check_serves(lease.model, model, "chat")
         preset = lease.entry.source.preset  # the model's options, system prompt, template (model_defaults.py)
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         fill_openai_values(values, preset, explicit)
@@ -309,8 +310,7 @@ async def get_model(request: web.Request) -> web.Response:
 async def create_embeddings(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     model = required_string(body, "model")
-    if body.get("dimensions"):
-        raise bad_request('"dimensions" is not supported', param="dimensions")
+    truncate = field(body, "truncate", "boolean", True)  # gpushare's, as Ollama's: false refuses a long input
     encoding = field(body, "encoding_format", "string", "float")
     if encoding not in ("float", "base64"):
         raise bad_request(f'"encoding_format" must be "float" or "base64", got {encoding!r}', param="encoding_format")
@@ -321,7 +321,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
         inputs = raw
     else:
         raise bad_request('"input" must be a string, an array of strings, or token ids', param="input")
-    vectors, timings = await embed_texts(request, model, inputs, None)
+    vectors, timings = await embed_texts(request, model, inputs, None, truncate, body.get("dimensions"))
 
     def encode(v: list[float]):
         return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if encoding == "base64" else v

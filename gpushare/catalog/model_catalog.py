@@ -150,6 +150,14 @@ class ModelDescription:
     template: str | None
     context_length: int
     source_types: frozenset = frozenset()  # GGUF type names of the matrices (weight_format.resolve_weights)
+    kind: str = "chat"  # what it serves: chat (and embeddings), embedding, rerank (LoadedModel.kind)
+
+    @property
+    def capabilities(self) -> list[str]:
+        """Ollama's /api/show capabilities: a chat model completes, calls tools and embeds (mean-pooled
+        hidden states); an embedding model embeds; a reranker reranks."""
+        return {"chat": ["completion", "tools", "embedding"], "embedding": ["embedding"],
+                "rerank": ["rerank"]}[self.kind]
 
 
 def describe_model(config, template: str | None, info: dict, parameter_count: int | None) -> ModelDescription:
@@ -168,10 +176,14 @@ def describe_model(config, template: str | None, info: dict, parameter_count: in
     if parameter_count:
         model_info["general.parameter_count"] = parameter_count
     size_label = info.get("parameter_size") or (_size_label(parameter_count) if parameter_count else "")
+    kind = info.get("kind", "chat")
+    # kind: gpushare's, beside Ollama's details (chat | embedding | rerank)
     details = {"parent_model": "", "format": info.get("format", ""), "family": arch, "families": [arch],
-               "parameter_size": size_label, "quantization_level": info.get("quantization_level") or ""}
+               "parameter_size": size_label, "quantization_level": info.get("quantization_level") or "", "kind": kind}
+    if getattr(config, "is_encoder", False) and not config.rotary:
+        model_info.pop(f"{arch}.rope.freq_base")  # learned positions
     return ModelDescription(details, model_info, template, config.context_length,
-                            frozenset(info.get("source_types", ())))
+                            frozenset(info.get("source_types", ())), kind)
 
 
 def _size_label(count: int) -> str:

@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 import llguidance
 
 from gpushare.catalog import chat_template
-from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.catalog.encoder_config import (EncoderConfig, encoder_config_from_gguf, encoder_config_from_hf,
+                                             is_encoder_gguf, is_encoder_hf)
 from gpushare.catalog.gguf_reader import open_gguf
+from gpushare.catalog.llm_rerank import rerank_prompt_ids
+from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
+from gpushare.catalog.pooling import RANK, Pooling, pooling_from_dir, pooling_from_gguf
 from gpushare.catalog.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -29,8 +33,8 @@ _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|
 @dataclass
 class LoadedModel:
     name_or_path: str
-    config: ModelConfig
-    model: object  # the LlamaModel (models/llama.py); None in a head (load_model_head)
+    config: ModelConfig | EncoderConfig
+    model: object  # the LlamaModel (models/llama.py) or EncoderModel (models/bert.py); None in a head
     tokenizer: Tokenizer
     template_source: str | None
     stop_token_ids: set
@@ -43,6 +47,21 @@ class LoadedModel:
     grammar_vocab: object = None  # llguidance's view of the tokenizer, built on first constrained request
     whole_config: ModelConfig | None = None  # tensor parallel: the whole model's (``config`` is this rank's)
     weight_bytes: int = 0  # its weights as stored, once built (models/llama.weight_bytes); 0 in a head
+    pooling: Pooling = field(default_factory=Pooling)  # how its embeddings are pooled (catalog/pooling.py)
+
+    @property
+    def kind(self) -> str:
+        """What it serves: "chat" (a decoder; it embeds too), "embedding" or "rerank"."""
+        return model_kind(self.config, self.pooling)
+
+    def pair_input(self, query: str, document: str, max_tokens: int) -> tuple[list[int], list[int] | None]:
+        """A reranker's input for one (query, document): a cross-encoder's framed pair with its token types,
+        or an LLM reranker's prompt (catalog/llm_rerank.py); cut to ``max_tokens``."""
+        if getattr(self.config, "is_encoder", False):
+            ids, types, _ = self.tokenizer.encode_pair(query, document, max_tokens)
+            return ids, types
+        ids, _ = rerank_prompt_ids(self.tokenizer, query, document, max_tokens)
+        return ids, None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if self._template is None:
@@ -70,17 +89,43 @@ def load_model_head(path: str, weights: str, dtype="float32", device: str = "cpu
         raise FileNotFoundError(f"model not found: {path}")
     if os.path.isdir(path):
         raw = json.load(open(os.path.join(path, "config.json")))
-        config = config_from_hf(raw)
+        config = hf_config(raw)
         tokenizer, template, stop = hf_text_side(path, raw)
         info = hf_info(path, raw, config, weights)
+        pooling = pooling_from_dir(path)
     else:
         meta, _ = open_gguf(path)
-        config = config_from_gguf(meta)
+        config = gguf_config(meta)
         tokenizer, template, stop = gguf_text_side(meta)
         info = gguf_info(meta, config, weights)
+        pooling = pooling_from_gguf(meta)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPE_NAMES)})")
-    return LoadedModel(path, config, None, tokenizer, template, stop, dtype, device, info, weights)
+    fit_context(config, pooling)
+    return LoadedModel(path, config, None, tokenizer, template, stop, dtype, device, info, weights, pooling=pooling)
+
+
+def hf_config(raw: dict):
+    """A decoder's ModelConfig or an encoder's EncoderConfig, from config.json."""
+    return encoder_config_from_hf(raw) if is_encoder_hf(raw) else config_from_hf(raw)
+
+
+def gguf_config(meta: dict):
+    return encoder_config_from_gguf(meta) if is_encoder_gguf(meta) else config_from_gguf(meta)
+
+
+def fit_context(config, pooling: Pooling) -> None:
+    """An encoder reads at most sentence-transformers' max_seq_length tokens, as sentence-transformers does."""
+    if getattr(config, "is_encoder", False) and pooling.max_seq_length:
+        config.context_length = min(config.context_length, pooling.max_seq_length)
+
+
+def model_kind(config, pooling: Pooling) -> str:
+    if getattr(config, "is_encoder", False):
+        return config.kind
+    if pooling.mode == RANK:
+        return "rerank"
+    return "embedding" if pooling.declared else "chat"
 
 
 def matrix_types(tensors) -> set[str]:
@@ -114,13 +159,16 @@ def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"{path}: no config.json")
         raw = json.load(open(cfg_file))
-        config = config_from_hf(raw)
+        config = hf_config(raw)
         tok_cfg = os.path.join(path, "tokenizer_config.json")
         template = json.load(open(tok_cfg)).get("chat_template") if os.path.isfile(tok_cfg) else None
-        return config, template, hf_info(path, raw, config)
+        pooling = pooling_from_dir(path)
+        fit_context(config, pooling)
+        return config, template, {**hf_info(path, raw, config), "kind": model_kind(config, pooling)}
     meta, tensors = open_gguf(path)
-    config = config_from_gguf(meta)
-    info = gguf_info(meta, config)
+    config = gguf_config(meta)
+    pooling = pooling_from_gguf(meta)
+    info = {**gguf_info(meta, config), "kind": model_kind(config, pooling)}
     info["source_types"] = matrix_types(tensors)
     return config, meta.get("tokenizer.chat_template"), info
 
@@ -147,7 +195,9 @@ def gguf_text_side(meta: dict):
 
 def hf_text_side(path: str, raw: dict):
     """A Hugging Face folder's tokenizer, chat template and stop ids."""
-    tokenizer, tok_cfg = tokenizer_from_dir(path)
+    # Encoders and sentence-transformers embedding models read inputs as their tokenizer frames them.
+    framed = is_encoder_hf(raw) or os.path.isfile(os.path.join(path, "modules.json"))
+    tokenizer, tok_cfg = tokenizer_from_dir(path, encoder=framed)
     template = tok_cfg.get("chat_template")
     template_file = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(template_file):

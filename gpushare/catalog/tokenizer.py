@@ -4,7 +4,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -28,6 +29,7 @@ class Tokenizer:
     eos_token: str | None = None
     add_bos: bool = False
     special_ids: set = field(default_factory=set)
+    encoder: bool = False  # the tokenizer's own post-processor frames inputs ([CLS] ... [SEP], pairs)
 
     @property
     def vocab_size(self) -> int:
@@ -38,6 +40,39 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token is not None:
             ids = [self.hf.token_to_id(self.bos_token)] + ids
         return ids
+
+    def encode_input(self, text: str, max_tokens: int) -> tuple[list[int], int]:
+        """An input as the model reads it, framed by its special tokens (an encoder's [CLS] ... [SEP], a
+        decoder's BOS) and cut to ``max_tokens`` keeping the frame; returns (ids, its length uncut)."""
+        if not self.encoder:
+            ids = self.encode(text, add_special_tokens=True)
+            return ids[:max_tokens], len(ids)
+        encoding = self.hf.encode(text, add_special_tokens=False)
+        extra = self.hf.num_special_tokens_to_add(False)
+        full = len(encoding.ids) + extra
+        if full > max_tokens:
+            encoding.truncate(max(0, max_tokens - extra))
+        return self.hf.post_process(encoding).ids, full
+
+    def encode_pair(self, first: str, second: str, max_tokens: int) -> tuple[list[int], list[int], int]:
+        """A (query, document) pair as a cross-encoder reads it: (ids, token type ids, length uncut), the
+        longer of the two cut first when too long (the tokenizers library's longest_first)."""
+        a = self.hf.encode(first, add_special_tokens=False)
+        b = self.hf.encode(second, add_special_tokens=False)
+        extra = self.hf.num_special_tokens_to_add(True)
+        la, lb = len(a.ids), len(b.ids)
+        full = la + lb + extra
+        excess = full - max_tokens
+        if excess > 0:
+            cut = min(excess, max(0, la - lb))
+            la, excess = la - cut, excess - cut
+            cut = min(excess, max(0, lb - la))
+            lb, excess = lb - cut, excess - cut
+            la, lb = max(0, la - excess // 2), max(0, lb - (excess - excess // 2))
+            a.truncate(la)
+            b.truncate(lb)
+        encoding = self.hf.post_process(a, b)
+        return encoding.ids, encoding.type_ids, full
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -105,8 +140,12 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
         hf = _sentencepiece_bpe(tokens, list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)),
                                 meta.get("tokenizer.ggml.merges"), bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    elif kind == "bert":
+        return _wordpiece(meta, tokens, types)
+    elif kind == "t5":
+        return _unigram(meta, tokens, types)
     else:
-        raise ValueError(f"unsupported GGUF tokenizer type {kind!r} (supported: gpt2, llama)")
+        raise ValueError(f"unsupported GGUF tokenizer type {kind!r} (supported: gpt2, llama, bert, t5)")
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty == _CONTROL])
     hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
@@ -120,21 +159,82 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
                      special_ids=special)
 
 
+def _wordpiece(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+    """A BERT WordPiece tokenizer from llama.cpp's spelling of its vocabulary (convert_hf_to_gguf's
+    BertModel: a word-initial piece gains U+2581, a continuation loses its ``##``, control tokens stay),
+    lower-casing as llama.cpp's WPM tokenizer does, framing inputs as [CLS] A [SEP] (B [SEP])."""
+    vocab = {}
+    for i, (token, kind) in enumerate(zip(tokens, types or [0] * len(tokens))):
+        word = token if kind == _CONTROL else token[1:] if token.startswith("\u2581") else "##" + token
+        vocab.setdefault(word, i)
+
+    def token_id(name, *keys):
+        for key in keys:
+            if meta.get(f"tokenizer.ggml.{key}") is not None:
+                return int(meta[f"tokenizer.ggml.{key}"])
+        if name in vocab:  # older converters wrote no id for it
+            return vocab[name]
+        raise ValueError(f"a BERT GGUF without tokenizer.ggml.{keys[0]} nor a {name} token")
+
+    cls = token_id("[CLS]", "cls_token_id", "bos_token_id")
+    sep = token_id("[SEP]", "seperator_token_id", "eos_token_id")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token=tokens[int(unk)] if unk is not None else "[UNK]",
+                                      max_input_chars_per_word=100))
+    hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=True)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[cls]} $A {tokens[sep]}", pair=f"{tokens[cls]} $A {tokens[sep]} $B:1 {tokens[sep]}:1",
+        special_tokens=[(tokens[cls], cls), (tokens[sep], sep)])
+    hf.decoder = decoders.WordPiece()
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _CONTROL])
+    special = {i for i, ty in enumerate(types) if ty == _CONTROL}
+    return Tokenizer(hf, bos_token=tokens[cls], eos_token=tokens[sep], special_ids=special, encoder=True)
+
+
+def _unigram(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+    """XLM-RoBERTa's SentencePiece Unigram (bge-m3, mxbai) from llama.cpp's ``t5`` vocabulary: pieces
+    and scores, its precompiled normaliser, U+2581 word starts; inputs framed <s> A </s> (</s> B </s>)."""
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    hf = HFTokenizer(models.Unigram(list(zip(tokens, map(float, scores))), unk_id=unk, byte_fallback=False))
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    steps = [normalizers.Precompiled(bytes(charsmap))] if charsmap else []
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    if steps:
+        hf.normalizer = normalizers.Sequence(steps)
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    bos, eos = int(meta.get("tokenizer.ggml.bos_token_id", 0)), int(meta.get("tokenizer.ggml.eos_token_id", 2))
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[bos]} $A {tokens[eos]}", pair=f"{tokens[bos]} $A {tokens[eos]} {tokens[eos]} $B {tokens[eos]}",
+        special_tokens=[(tokens[bos], bos), (tokens[eos], eos)])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _CONTROL])
+    special = {i for i, ty in enumerate(types) if ty == _CONTROL}
+    return Tokenizer(hf, bos_token=tokens[bos], eos_token=tokens[eos], special_ids=special, encoder=True)
+
+
 def _token_text(value):
     return value.get("content") if isinstance(value, dict) else value
 
 
-def tokenizer_from_dir(path: str) -> tuple[Tokenizer, dict]:
-    """Load ``tokenizer.json``; returns the tokenizer and ``tokenizer_config.json`` (may be empty)."""
+def tokenizer_from_dir(path: str, encoder: bool = False) -> tuple[Tokenizer, dict]:
+    """Load ``tokenizer.json``; returns the tokenizer and ``tokenizer_config.json`` (may be empty).
+    ``encoder``: its post-processor frames inputs (Tokenizer.encode_input)."""
     tok_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tok_file):
         raise FileNotFoundError(f"{path}: no tokenizer.json")
     hf = HFTokenizer.from_file(tok_file)
+    hf.no_padding()  # some files pad every input to a fixed length, and cut it (sentence-transformers' do)
+    hf.no_truncation()
     cfg_file = os.path.join(path, "tokenizer_config.json")
     cfg = json.load(open(cfg_file)) if os.path.isfile(cfg_file) else {}
     special = {tok.id for tok in _added_tokens(hf) if tok.special}
     return Tokenizer(hf, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")),
-                     add_bos=bool(cfg.get("add_bos_token", False)), special_ids=special), cfg
+                     add_bos=bool(cfg.get("add_bos_token", False)), special_ids=special, encoder=encoder), cfg
 
 
 def _added_tokens(hf: HFTokenizer):

@@ -72,13 +72,13 @@ def cmd_ps(args) -> int:
         weights = f"{m.get('weights', '')} {m.get('kernel', '')}".strip()
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
-                     device, str(m.get("worker_pid") or ""), weights])
+                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", ""])
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", ""])
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
-                       "WORKER PID", "WEIGHTS"]))
+                       "WORKER PID", "KIND", "WEIGHTS"]))
     return 0
 
 
@@ -88,9 +88,10 @@ def cmd_list(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     now = time.time()
+    # KIND (chat, embedding, rerank) once the daemon has read the model's files; "-" before.
     rows = [[m["name"], m["digest"][:12], human_bytes(m["size"]), human_delta(parse_time(m["modified_at"]) - now),
-             m.get("state", "")] for m in data["models"]]
-    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "STATE"]))
+             (m.get("details") or {}).get("kind") or "-", m.get("state", "")] for m in data["models"]]
+    print(table(rows, ["NAME", "ID", "SIZE", "MODIFIED", "KIND", "STATE"]))
     for problem in data.get("skipped", []):
         print(f"skipped: {problem}", file=sys.stderr)
     return 0

@@ -26,18 +26,18 @@ from typing import Callable
 import torch
 
 from gpushare.protocol.engine_config import EngineConfig
-from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedSequences, Wake
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake
+from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed, run_decoder, run_encoder, take_batch
 from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
 from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
 from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
-from gpushare.engine.embedding import embed_one
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.resident_model import ResidentModel
-from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed, check_request,
-                                     model_limits, tenant_limit_bytes)
+from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, KVCacheBusy, check_embed,
+                                       check_request, model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
 from gpushare.protocol.sampling_params import SamplingFailure, SamplingParams
 from gpushare.engine.scheduler import Scheduler
@@ -55,6 +55,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.models: dict[str, ResidentModel] = {}  # mutated only on the engine thread
+        self.encoders: dict[str, ResidentEncoder] = {}  # encoder models (no KV cache, no scheduler)
+        self.pending_embeds: list[PendingEmbed] = []  # embed requests taken in, first come first served
         self.requests: dict[str, Sequence] = {}
         self.ledger = TenantLedger()
         self.tenant_policies: dict[str, TenantPolicy] = {}
@@ -103,8 +105,12 @@ class Engine:
     def add_model(self, name: str, loaded: LoadedModel, share_weight: float = 1.0) -> None:
         """Serve ``loaded`` as ``name``; its KV cache grows and shrinks in the engine's device pool."""
         def add():
-            if name in self.models:
+            if name in self.models or name in self.encoders:
                 raise ValueError(f"model {name!r} is already loaded")
+            if getattr(loaded.config, "is_encoder", False):
+                self.encoders[name] = ResidentEncoder(name, loaded)
+                self._flush()
+                return
             per_block = kv_bytes_per_block(loaded.config, self.config.block_size, self.kv_dtype)
             pool = BlockPool(self.kv_pool, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
             scheduler = Scheduler(pool, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -119,6 +125,10 @@ class Engine:
 
     def remove_model(self, name: str) -> None:
         def remove():
+            self._fail_embeds(name, KeyError(f"model {name!r} was unloaded"))
+            if self.encoders.pop(name, None) is not None:
+                self._flush()
+                return
             resident = self.models.pop(name)
             for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
                 self._finish(resident, seq, "abort", error=f"the request was cancelled: model {name!r} was unloaded")
@@ -185,7 +195,7 @@ class Engine:
 
     def _limits(self, model_name: str, tenant: str):
         """(the model's ModelLimits, the tenant's kv_limit in bytes), from the latest snapshot."""
-        resident = self.models.get(model_name)
+        resident = self.models.get(model_name) or self.encoders.get(model_name)
         stats = self.snapshot.stats.models.get(model_name)
         if resident is None or stats is None:
             raise KeyError(f"model {model_name!r} is not loaded")
@@ -197,15 +207,13 @@ class Engine:
         self._inbox.put(Cancel(request_id))
 
     def embed(self, request: EmbedRequest) -> Future:
-        """A future of one vector per input; fails with KVCacheBusy when the KV it needs is held."""
-        resident = self.models.get(request.model)
-        if resident is None:
+        """A future of one vector (or, for task "score", one relevance score) per input; fails with
+        KVCacheBusy when the KV a decoder needs is held. Cancelling the future drops its inputs not yet run."""
+        if request.model not in self.models and request.model not in self.encoders:
             raise KeyError(f"model {request.model!r} is not loaded")
         future: Future = Future()
-        params = SamplingParams(max_tokens=1)
-        seqs = [Sequence(f"{request.request_id}-{i}", request.model, list(ids), params, lambda out: None,
-                         request.tenant) for i, ids in enumerate(request.inputs)]
-        self._put_work(EmbedSequences(request.model, seqs, future))
+        self._put_work(EmbedInputs(PendingEmbed(request.request_id, request.model, request.tenant, request.inputs,
+                                                request.type_ids, request.task, future)))
         return future
 
     def _put_work(self, item) -> None:
@@ -248,7 +256,8 @@ class Engine:
         while not self._stopping:
             try:
                 self.last_tick_s = time.monotonic()
-                self._drain_inbox(block=self._pick_model() is None)
+                self._drain_inbox(block=self._pick_model() is None and not self.pending_embeds)
+                self._run_embed_batch()
                 self._run_urgent_prompts()
                 resident = self._pick_model()
                 if resident is not None:
@@ -312,13 +321,18 @@ class Engine:
             items.append(self._inbox.get_nowait())
         for item in items:
             self._fail_item(item, reason)
+        for pending in self.pending_embeds:
+            _settle(pending.future, error=EngineFailed(reason))
+        self.pending_embeds.clear()
         self._flush()
 
     def _fail_item(self, item, reason: str) -> None:
         """Answer an inbox item that will not be handled: its request ends with ``reason``."""
         if isinstance(item, AddSequence):
             self._emit(item.seq, self._output(item.seq, [], True, "error", reason))
-        elif isinstance(item, (EmbedSequences, Call)) and not item.future.done():
+        elif isinstance(item, EmbedInputs):
+            _settle(item.pending.future, error=EngineFailed(reason))
+        elif isinstance(item, Call) and not item.future.done():
             item.future.set_exception(EngineFailed(reason))
 
     def _drain_inbox(self, block: bool) -> None:
@@ -366,8 +380,11 @@ class Engine:
             if seq is not None and seq.model_name in self.models:
                 for answer in [seq, *seq.forks]:  # n > 1: every answer goes
                     self._finish(self.models[seq.model_name], answer, "abort")
-        elif isinstance(item, EmbedSequences):
-            self._embed(item)
+            for pending in [p for p in self.pending_embeds if p.request_id == item.request_id]:
+                self.pending_embeds.remove(pending)
+                pending.future.cancel()
+        elif isinstance(item, EmbedInputs):
+            self._take_embed(item.pending)
         elif isinstance(item, Call):
             try:
                 item.future.set_result(item.fn())
@@ -501,21 +518,50 @@ class Engine:
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         self._outputs.append((seq, out))  # delivered by the next _flush
 
-    def _embed(self, item: EmbedSequences) -> None:
-        """One input per loop turn (the rest goes back to the inbox), so generation steps run between
-        the inputs of a large embedding request."""
-        resident = self.models.get(item.model_name)
-        if resident is None:
-            item.future.set_exception(KeyError(f"model {item.model_name!r} is not loaded"))
-        elif not item.seqs:
-            item.future.set_result([])
+    def _take_embed(self, pending: PendingEmbed) -> None:
+        if pending.model_name not in self.models and pending.model_name not in self.encoders:
+            _settle(pending.future, error=KeyError(f"model {pending.model_name!r} is not loaded"))
+        elif not pending.inputs:
+            _settle(pending.future, result=[])
         else:
-            try:
-                vectors = (*item.done, embed_one(resident.scheduler, resident.runner, item.seqs[0]))
-            except Exception as e:
-                item.future.set_exception(e)
-                return
-            if len(item.seqs) > 1:
-                self._deferred.append(EmbedSequences(item.model_name, item.seqs[1:], item.future, vectors))
+            self.pending_embeds.append(pending)
+
+    def _run_embed_batch(self) -> None:
+        """One batch of waiting embed inputs (embed_batch.py), at most one per loop turn."""
+        self.pending_embeds = [p for p in self.pending_embeds if not p.future.done()]  # cancelled: its client left
+        if not self.pending_embeds:
+            return
+        name = self.pending_embeds[0].model_name
+        encoder, resident = self.encoders.get(name), self.models.get(name)
+        taken = take_batch(self.pending_embeds, self.config.max_num_batched_tokens, padded=encoder is not None)
+        try:
+            if encoder is not None:
+                run_encoder(encoder, taken)
             else:
-                item.future.set_result(list(vectors))
+                run_decoder(resident.scheduler, resident.runner, taken)
+        except Exception as e:  # the batch's requests fail, never the engine
+            if not isinstance(e, KVCacheBusy):
+                log.exception("engine: an embedding batch failed for model %s", name)
+            for item, _ in taken:
+                self.pending_embeds.remove(item)
+                _settle(item.future, error=e)
+            return
+        for item, _ in taken:
+            if item.remaining == 0:
+                self.pending_embeds.remove(item)
+                _settle(item.future, result=item.results)
+
+    def _fail_embeds(self, model_name: str, error: Exception) -> None:
+        for pending in [p for p in self.pending_embeds if p.model_name == model_name]:
+            self.pending_embeds.remove(pending)
+            _settle(pending.future, error=error)
+
+
+def _settle(future: Future, result=None, error: Exception | None = None) -> None:
+    """Answer a future that its caller may have cancelled meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

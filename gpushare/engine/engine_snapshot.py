@@ -19,6 +19,10 @@ def engine_stats(engine) -> EngineStats:
             preemptions=w.scheduler.num_preemptions, cached_blocks=len(blocks.cached),
             block_bytes=blocks.block_bytes,
             kv_committed_bytes=sum(pool.slab_size(s) for s in list(blocks.slab_held)))
+    for name, e in list(engine.encoders.items()):  # no KV: block_bytes 0 (request.model_limits)
+        out.models[name] = ModelStats(blocks_total=0, block_size=engine.config.block_size, steps=e.steps,
+                                      running=sum(p.model_name == name for p in list(engine.pending_embeds)),
+                                      prompt_tokens=e.prompt_tokens)
     return out
 
 

@@ -10,10 +10,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+from gpushare.engine.embed_batch import PendingEmbed
 from gpushare.engine.sequence import Sequence
 from gpushare.protocol.messages import Cancel
 
-__all__ = ["AddSequence", "Call", "Cancel", "EmbedSequences", "Wake"]
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake"]
 
 
 @dataclass
@@ -22,11 +23,9 @@ class AddSequence:
 
 
 @dataclass
-class EmbedSequences:
-    model_name: str
-    seqs: list[Sequence]
-    future: Future
-    done: tuple = ()  # the vectors of the inputs before ``seqs``
+class EmbedInputs:
+    """An embed request taken in: its inputs, results so far and future (engine/embed_batch.py)."""
+    pending: PendingEmbed
 
 
 @dataclass

@@ -145,9 +145,3 @@ class ModelRunner:
         for seq, chunk in zip(seqs, chunks):
             seq.num_computed += chunk
         return hidden, last_rows
-
-    def embed(self, seq) -> list[float]:
-        """Mean-pooled, L2-normalised final hidden states of ``seq``'s prompt (its blocks already held)."""
-        hidden, _ = self.hidden_states([seq], [seq.num_pending])
-        pooled = hidden.float().mean(dim=0)
-        return torch.nn.functional.normalize(pooled, dim=0).tolist()

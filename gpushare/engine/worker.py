@@ -161,8 +161,13 @@ class WorkerHost:
         except Exception as e:
             self.outbox.put(m.Reply(message.call_id, error=e))
             return
-        future.add_done_callback(lambda f: self.outbox.put(
-            m.Reply(message.call_id, error=f.exception()) if f.exception() else m.Reply(message.call_id, f.result())))
+        def reply(f) -> None:
+            if f.cancelled():  # the supervisor's Cancel: its caller left and waits for no reply
+                return
+            self.outbox.put(m.Reply(message.call_id, error=f.exception()) if f.exception()
+                            else m.Reply(message.call_id, f.result()))
+
+        future.add_done_callback(reply)
 
     def _load(self, message: m.LoadModel) -> m.Loaded:
         def progress(done_bytes: int, total_bytes: int) -> None:

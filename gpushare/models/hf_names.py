@@ -17,7 +17,9 @@ _GEMMA_NORMS = {
     ".post_feedforward_layernorm.": ".mlp_output_norm.",
 }
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                         "language_model.lm_head.": "lm_head."}
+                         "language_model.lm_head.": "lm_head.",
+                         # a bare *Model saved without its LM head (Qwen3-Embedding): its lm_head is the embedding
+                         "layers.": "model.layers.", "embed_tokens.": "model.embed_tokens.", "norm.": "model.norm."}
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 

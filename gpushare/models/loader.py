@@ -1,5 +1,5 @@
 """load_model: a GGUF file or a Hugging Face folder -> weights on the device, with its head (tokenizer,
-chat template, stop ids: catalog/model_head.py)."""
+chat template, stop ids: catalog/model_head.py). Encoders (BERT family) load through models/encoder_loader.py."""
 
 import ctypes
 import glob
@@ -11,6 +11,9 @@ import torch
 from gpushare import kernels
 from gpushare.catalog.model_config import config_from_gguf, config_from_hf
 from gpushare.models.cpu_kernels import measure_again_if_provisional, quantized_kernel, wide_int8_kernel
+from gpushare.catalog.encoder_config import is_encoder_gguf, is_encoder_hf
+from gpushare.catalog.pooling import pooling_from_dir, pooling_from_gguf
+from gpushare.models.encoder_loader import load_encoder
 from gpushare.models.gguf_file import read_tensors
 from gpushare.catalog.gguf_reader import open_gguf
 from gpushare.models.hf_names import hf_tensor, text_model_name
@@ -101,6 +104,10 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     measure_again_if_provisional()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
+    if _is_encoder(path):
+        if tensor_parallel is not None:
+            raise ValueError(f"{path}: encoders are not split across devices (tensor parallel)")
+        return load_encoder(path, torch_dtype, device, progress, weights)
     reader = read_hf_dir if os.path.isdir(path) else read_gguf
     config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
     whole_config = config
@@ -118,7 +125,15 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     return_freed_memory()
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
                        kernel=linear_kernels(model), weight_bytes=weight_bytes(model),
-                       whole_config=whole_config if tensor_parallel is not None else None)
+                       whole_config=whole_config if tensor_parallel is not None else None,
+                       pooling=pooling_from_dir(path) if os.path.isdir(path) else pooling_from_gguf(open_gguf(path)[0]))
+
+
+def _is_encoder(path: str) -> bool:
+    if os.path.isdir(path):
+        cfg_file = os.path.join(path, "config.json")
+        return os.path.isfile(cfg_file) and is_encoder_hf(json.load(open(cfg_file)))
+    return is_encoder_gguf(open_gguf(path)[0])
 
 
 def linear_kernels(model) -> str:

@@ -55,6 +55,8 @@ class EmbedRequest:
     inputs: list[list[int]]
     tenant: str = DEFAULT_TENANT
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    type_ids: list[list[int]] | None = None  # per input token types: a cross-encoder's (query, document) pairs
+    task: str = "embed"  # "embed": one vector per input; "score": one relevance score (a cross-encoder)
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,10 @@ class RequestLimits:
 
 
 def model_limits(context_length: int, vocab_size: int, stats, max_num_seqs: int) -> ModelLimits:
-    """From the model's config and its ModelStats in an engine snapshot."""
-    return ModelLimits(vocab_size, context_length, stats.blocks_total * stats.block_size, stats.block_size,
+    """From the model's config and its ModelStats in an engine snapshot. A model without a KV cache
+    (an encoder: block_bytes 0) is bounded by its context alone."""
+    pool_tokens = stats.blocks_total * stats.block_size if stats.block_bytes else context_length
+    return ModelLimits(vocab_size, context_length, pool_tokens, stats.block_size,
                        stats.block_bytes // stats.block_size, max_num_seqs)
 
 

@@ -327,8 +327,9 @@ class Registry:
     # ------------------------------------------------------------------ keep_alive
 
     def _on_loaded(self, entry: LoadedEntry) -> None:
+        info = {**entry.model.metadata, "kind": entry.model.kind}
         self._descriptions[entry.warm_key[0]] = describe_model(entry.model.config, entry.model.template_source,
-                                                               entry.model.metadata, entry.parameter_count)
+                                                               info, entry.parameter_count)
         entry.keep_alive_s = self.settings.server.keep_alive_s
         if entry.active == 0:  # every request that waited for it has left
             self._set_keep_alive(entry, None)

@@ -170,7 +170,10 @@ class WorkerClient(Device):
             pass  # its death ended the request already
 
     def embed(self, request) -> Future:
-        return self._call(lambda call_id: m.Embed(call_id, request))
+        """Cancelling the future (its client left) drops the request's inputs not yet run in the worker."""
+        future = self._call(lambda call_id: m.Embed(call_id, request))
+        future.add_done_callback(lambda f: self.cancel(request.request_id) if f.cancelled() else None)
+        return future
 
     def stats(self) -> EngineStats:
         return self.snapshot.stats
@@ -274,7 +277,7 @@ class WorkerClient(Device):
         elif isinstance(message, m.Reply):
             with self._lock:
                 future, _ = self._calls.pop(message.call_id, (None, None))
-            if future is not None:
+            if future is not None and not future.done():  # an embed's caller may have cancelled it
                 if message.error is not None:
                     future.set_exception(message.error)
                 else:

@@ -1,0 +1,106 @@
+"""Embedding benchmark (issue 37): embeddings per second for short inputs on any server with OpenAI's
+`POST /v1/embeddings` (gpushare, `llama-server --embedding`), and a chat stream's inter-token latency
+alone and while a flood of inputs is embedded beside it on the same server.
+
+    python benchmarks/embeddings.py --base-url http://127.0.0.1:11434 --model all-minilm \
+        --inputs 1000 --batch 32 --concurrency 4 \
+        --chat-model smollm2:135m --flood 4000 --json-out out.json
+
+Run it once per server (same GGUF, same machine, same run) and compare `embeddings_per_s`; the ITL
+part needs a server that serves a chat model beside the embedding model (gpushare does). The issue's
+goal: the chat stream's ITL p99 with the flood within 1.5x of its ITL p99 alone. The flood is one
+request, as in the issue: give gpushare `limits.max_embed_inputs` (and `max_embed_tokens`) room for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from latency_stats import percentile  # noqa: E402
+from serve import WORDS, run_benchmark  # noqa: E402
+
+
+def short_inputs(count: int, words: int = 12, seed: int = 0) -> list[str]:
+    """Seeded texts of ``words`` common words (short, as search queries and chunks' titles are)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+
+
+async def embed_all(session: aiohttp.ClientSession, url: str, model: str, texts: list[str], batch: int,
+                    concurrency: int) -> float:
+    """Seconds to embed ``texts`` in requests of ``batch`` inputs, ``concurrency`` at a time."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(chunk: list[str]) -> None:
+        async with limit, session.post(url, json={"model": model, "input": chunk}) as resp:
+            body = await resp.json()
+            if resp.status != 200 or len(body.get("data", [])) != len(chunk):
+                raise RuntimeError(f"{url}: HTTP {resp.status}: {str(body)[:300]}")
+
+    start_s = time.perf_counter()
+    await asyncio.gather(*(one(texts[i:i + batch]) for i in range(0, len(texts), batch)))
+    return time.perf_counter() - start_s
+
+
+async def chat_itl_p99_ms(base_url: str, model: str, output_tokens: int) -> float:
+    result = await run_benchmark(base_url, model, num_prompts=1, output_len=(output_tokens, output_tokens),
+                                 include_requests=True, progress=False, warmup=False)
+    request = result["requests"][0]
+    if not request["success"]:
+        raise RuntimeError(f"the chat stream failed: {request['error']}")
+    gaps = [b - a for a, b in zip(request["chunk_times_s"], request["chunk_times_s"][1:])]
+    return percentile(gaps, 99) * 1e3
+
+
+async def run(args) -> dict:
+    url = args.base_url.rstrip("/") + "/v1/embeddings"
+    texts = short_inputs(args.inputs)
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await embed_all(session, url, args.model, texts[:args.batch], args.batch, 1)  # warm-up (and load)
+        seconds = await embed_all(session, url, args.model, texts, args.batch, args.concurrency)
+        out = {"base_url": args.base_url, "model": args.model, "inputs": args.inputs, "batch": args.batch,
+               "concurrency": args.concurrency, "seconds": seconds, "embeddings_per_s": args.inputs / seconds}
+        if args.chat_model:
+            out["chat_itl_p99_ms_alone"] = await chat_itl_p99_ms(args.base_url, args.chat_model, args.output_tokens)
+            flood = asyncio.ensure_future(embed_all(session, url, args.model, short_inputs(args.flood, seed=1),
+                                                    args.flood, 1))  # one request of them all, as the issue
+            out["chat_itl_p99_ms_beside_flood"] = await chat_itl_p99_ms(args.base_url, args.chat_model,
+                                                                        args.output_tokens)
+            out["flood_done"] = flood.done()  # false: the whole stream ran beside the flood
+            out["flood_seconds"] = await flood
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model", required=True, help="the embedding model's name on that server")
+    p.add_argument("--inputs", type=int, default=1000, help="short inputs to embed (default 1000)")
+    p.add_argument("--batch", type=int, default=32, help="inputs per request (default 32)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--chat-model", help="also measure this chat model's ITL alone and beside a flood")
+    p.add_argument("--flood", type=int, default=4000, help="inputs of the flood, in one request (default 4000)")
+    p.add_argument("--output-tokens", type=int, default=128, help="the chat stream's length (default 128)")
+    p.add_argument("--json-out")
+    args = p.parse_args(argv)
+    result = asyncio.run(run(args))
+    print(json.dumps(result, indent=2))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

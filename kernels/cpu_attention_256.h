@@ -1,0 +1,149 @@
+// cpu_attention.cpp's AVX2 helpers (8 floats a register), included by it inside its anonymous namespace
+// where the build has AVX2 but not AVX-512 (kLanes is cpu_rows.h's): the same functions as
+// cpu_attention_512.h, each with the portable loop's float operations in its order.
+#pragma once
+
+constexpr int kKeysAtOnce = 8;  // dot_keys' keys
+
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8(const c10::BFloat16* p) {  // a bfloat16 is a float32's upper half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+template <>
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// For 4 keys k[t], n a multiple of 16: dot's 16 lane sums as two registers (lanes 0-7, 8-15), then its
+// width-8 step, lane j + lane j + 8: sums[t] holds key t's 8 partial sums.
+template <typename T>
+inline void four_keys(const float* q, const T* const* k, int64_t n, __m256 (&sums)[4]) {
+  __m256 low[4], high[4];
+  for (int t = 0; t < 4; ++t) low[t] = high[t] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const __m256 q_low = _mm256_loadu_ps(q + d), q_high = _mm256_loadu_ps(q + d + 8);
+    for (int t = 0; t < 4; ++t) {
+      low[t] = _mm256_add_ps(low[t], _mm256_mul_ps(q_low, load8(k[t] + d)));
+      high[t] = _mm256_add_ps(high[t], _mm256_mul_ps(q_high, load8(k[t] + d + 8)));
+    }
+  }
+  for (int t = 0; t < 4; ++t) sums[t] = _mm256_add_ps(low[t], high[t]);
+}
+
+// four_keys' sums through dot's widths 4 and 2: 128-bit half h holds key h's two sums in lanes 0-1 and
+// key 2 + h's in lanes 2-3.
+inline __m256 widths_4_and_2(const __m256 (&s)[4]) {
+  // width 4: keys 0 and 1 (then 2 and 3), 4 sums each, a key per 128-bit half
+  const __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(s[0], s[1], 0x20), _mm256_permute2f128_ps(s[0], s[1], 0x31));
+  const __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(s[2], s[3], 0x20), _mm256_permute2f128_ps(s[2], s[3], 0x31));
+  // width 2: in each half, lanes 0-1 from a, 2-3 from b
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// dot(q, k[t], n) for 8 rows k[t] at once, n a multiple of 16, in dot's order (so the same bits): the
+// trees of 8 keys run together by pairing registers up, as cpu_attention_512.h's dot16 does for 16.
+template <typename T>
+inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
+  __m256 first[4], second[4];
+  four_keys(q, k, n, first);
+  four_keys(q, k + 4, n, second);
+  const __m256 a = widths_4_and_2(first), b = widths_4_and_2(second);
+  // width 1: lanes of half h hold keys h, 2 + h, 4 + h, 6 + h
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values[t] there, for G rows
+// of weights at once: add_scaled's float operations, the G x C sums in registers across all of t.
+template <int C, int G, typename T>
+inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                         int64_t c0) {
+  __m256 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load8(values[t] + (c0 + c) * 8);
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(weights[g][t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w, v[c]));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[g] + (c0 + c) * 8, acc[g][c]);
+}
+
+// weighted_sum over `chunks` registers of columns, C at a time, for `rows` rows, as many as the
+// registers hold (the 16 of AVX2: G x C sums and C values).
+template <int C, typename T>
+inline void slabs(const float* const* weights, const T* const* values, int64_t n, float* const* out, int64_t rows,
+                  int64_t chunks) {
+  constexpr int kAtOnce = C <= 2 ? 4 : C <= 4 ? 2 : 1;
+  for (int64_t c0 = 0; c0 < chunks; c0 += C) {
+    int64_t r = 0;
+    for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, c0);
+    for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, c0);
+  }
+}
+
+// Whether value_sums takes a head dim.
+inline bool values_fit(int64_t dim) { return dim % 8 == 0; }
+
+template <typename T>
+inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                       int64_t rows, int64_t dim) {
+  const int64_t chunks = dim / 8;
+  int64_t width = std::min<int64_t>(8, chunks);  // the widest slab that divides the columns
+  while (chunks % width != 0) --width;
+  switch (width) {
+    case 8: slabs<8>(weights, values, n, out, rows, chunks); break;
+    case 7: slabs<7>(weights, values, n, out, rows, chunks); break;
+    case 6: slabs<6>(weights, values, n, out, rows, chunks); break;
+    case 5: slabs<5>(weights, values, n, out, rows, chunks); break;
+    case 4: slabs<4>(weights, values, n, out, rows, chunks); break;
+    case 3: slabs<3>(weights, values, n, out, rows, chunks); break;
+    case 2: slabs<2>(weights, values, n, out, rows, chunks); break;
+    default: slabs<1>(weights, values, n, out, rows, chunks); break;
+  }
+}
+
+// The max of p[0, i) into top for the largest multiple i of 8 <= n (max is exact: any order finds the
+// same value); returns i.
+inline int64_t max_simd(const float* p, int64_t n, float& top) {
+  if (n < 8) return 0;
+  __m256 m = _mm256_loadu_ps(p);
+  int64_t i = 8;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  top = *std::max_element(lanes, lanes + 8);
+  return i;
+}
+
+// p[i] = exp_nonpositive(p[i] - top), operation for operation, for i below the largest multiple of 8
+// <= n; returns that multiple.
+inline int64_t exponentiate_simd(float* p, int64_t n, float top) {
+  int64_t i = 0;
+  const __m256 t = _mm256_set1_ps(top), floor_at = _mm256_set1_ps(-87.3f);
+  for (; i + 8 <= n; i += 8) {
+    // std::max(x, c) is max_ps(c, x) (x when not below c)
+    const __m256 x = _mm256_max_ps(floor_at, _mm256_sub_ps(_mm256_loadu_ps(p + i), t));
+    const __m256 k = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(k, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 q = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+      q = _mm256_add_ps(_mm256_mul_ps(q, r), _mm256_set1_ps(c));
+    const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(q, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(p + i, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
+  }
+  return i;
+}
