@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gpushare.api import thinking as think
 from gpushare.api.context import context, off_loop
+from gpushare.api.embeddings import check_serves
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import EngineStream, Timings, checked_request, make_sampling_params
 from gpushare.api.tenants import admit, check_model
@@ -54,6 +55,7 @@ async def count_prompt(request: web.Request, turn: Turn) -> int:
     """The prompt's token count, as the turn would be run."""
     check_model(request, turn.model)
     async with context(request).registry.use(turn.model, None) as lease:
+        check_serves(lease.model, turn.model, "chat")
         preset = lease.entry.source.preset
         thinking = think.checked(turn.thinking, lease.model, preset.template, turn.model)
         return len(await off_loop(_prompt, lease.model, preset, turn, thinking))
@@ -65,6 +67,7 @@ async def running(request: web.Request, turn: Turn):
     ctx = context(request)
     timings = Timings()
     async with admit(request, turn.model) as ticket, ctx.registry.use(turn.model, None) as lease:
+        check_serves(lease.model, turn.model, "chat")  # an embedding model or a reranker does not chat
         preset = lease.entry.source.preset
         values = dict(turn.values)
         explicit = values.get("max_tokens") is not None
