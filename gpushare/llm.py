@@ -22,6 +22,7 @@ class CompletionOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # With SamplingParams(logprobs=k): one TokenLogprobs per generated token that made text.
     logprobs: list | None = None
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's), None otherwise
 
 
 class LLM:
@@ -115,5 +116,5 @@ class LLM:
             if out.finish_reason == "error":
                 raise RuntimeError(out.error)
             outputs.append(CompletionOutput(text, new_ids, out.finish_reason, tokens, prompt_logprobs,
-                                            logprobs if p.logprobs is not None else None))
+                                            logprobs if p.logprobs is not None else None, out.stop_reason))
         return outputs

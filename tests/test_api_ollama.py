@@ -212,4 +212,4 @@ def test_malformed_json_is_400(daemon):
 
 def test_unsupported_fields_are_rejected_clearly(client):
     expect_error(lambda: client.generate(MODEL, "hi", suffix="end"), 400, '"suffix"', "not supported")
-    expect_error(lambda: client.generate(MODEL, "hi", think=True), 400, '"think"', "not supported")
+    expect_error(lambda: client.generate(MODEL, "hi", think=True), 400, f'"{MODEL}"', "does not support thinking")

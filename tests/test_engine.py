@@ -138,7 +138,7 @@ def test_stop_string_is_not_emitted(llm):
     full = llm.chat([conv], greedy(40))[0].text
     stop = next(w for w in full.split()[5:] if len(w) >= 5)
     out = llm.chat([conv], SamplingParams(temperature=0, max_tokens=40, stop=["zzzz", stop]))[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full[:full.index(stop)]
 
 

@@ -1,10 +1,12 @@
-"""The aiohttp application: both dialects' routes, health, metrics and the status page, behind the middlewares."""
+"""The aiohttp application: every dialect's routes (Ollama, OpenAI, Anthropic, Responses), health,
+metrics and the status page, behind the middlewares."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gpushare.api import health, metrics, ollama, ollama_models, ollama_pull, openai, rerank, status, status_history, ui
+from gpushare.api import (anthropic, health, metrics, ollama, ollama_models, ollama_pull, openai, rerank, responses,
+                          status, status_history, ui)
 from gpushare.api.browsers import add_cors_headers, browser_middleware
 from gpushare.api.context import CONTEXT, ApiContext
 from gpushare.api.errors import error_middleware
@@ -28,6 +30,8 @@ def build_app(ctx: ApiContext) -> web.Application:
     ollama_models.add_routes(app)
     ollama_pull.add_routes(app)
     openai.add_routes(app)
+    anthropic.add_routes(app)
+    responses.add_routes(app)
     rerank.add_routes(app)
     health.add_routes(app)
     status_history.setup(app, ctx)

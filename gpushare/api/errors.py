@@ -1,7 +1,9 @@
-"""API errors: one exception type, rendered in Ollama's shape on /api/* and OpenAI's on /v1/*.
+"""API errors: one exception type, rendered in Ollama's shape on /api/*, Anthropic's on /v1/messages
+and OpenAI's on the rest of /v1/*.
 
 Ollama answers ``{"error": "message"}``; OpenAI answers
-``{"error": {"message", "type", "param", "code"}}``. Handlers raise ApiError (or let a
+``{"error": {"message", "type", "param", "code"}}``; Anthropic ``{"type": "error", "error": {"type",
+"message"}}``. Handlers raise ApiError (or let a
 registry error through) and the middleware picks the shape from the request path.
 """
 
@@ -50,11 +52,23 @@ def from_registry_error(e: Exception) -> ApiError:
     raise TypeError(f"not a registry error: {e!r}")
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(path: str, err: ApiError) -> dict:
+    if is_anthropic_path(path):  # Anthropic's error object
+        kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": err.message}}
     if is_openai_path(path):
         kind = _OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error")
         return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}

@@ -127,6 +127,22 @@ def string_list(body: dict, key: str, *, prefix: str = "") -> list[str]:
                       param=prefix + key)
 
 
+def text_parts(value, where: str, types: tuple[str, ...] = ("text",)) -> str:
+    """A string, or an array of text parts (``{"type": one of types, "text": ...}``), as one text; 400 naming
+    the part that is not one (an image, say)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f'"{where}" must be a string or an array of text parts', param=where)
+    parts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") not in types or not isinstance(part.get("text"), str):
+            raise bad_request(f'"{where}[{j}]": only {" and ".join(types)} parts {{"type", "text"}} are supported',
+                              param=f"{where}[{j}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def reject_unsupported(body: dict, unsupported: dict[str, str]) -> None:
     """400 naming the first field of ``unsupported`` that the body sets; its value says why."""
     for key, why in unsupported.items():

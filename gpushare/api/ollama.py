@@ -34,8 +34,10 @@ from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked
                                     make_sampling_params, relay)
 from gpushare.api.structured import ollama_format
 from gpushare.api.tenants import admit, check_keep_alive, check_model
-from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
-                                parse_calls, parse_tools)
+from gpushare.api import thinking as think
+from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, parse_calls,
+                                parse_tools)
+from gpushare.api.turn import ReplyStream, whole_reply
 from gpushare.api.work import bounded, budget_of
 from gpushare.residency.registry import ModelLoadError, RegistrationError, RegistryFull
 
@@ -55,7 +57,6 @@ UNSUPPORTED = {
     "suffix": "(fill-in-the-middle) is not supported",
     "template": "is not supported: the template comes from the model file",
     "context": "is not supported; use /api/chat to continue a conversation",
-    "think": "is not supported",
 }
 
 
@@ -137,9 +138,10 @@ async def _load_or_unload(request: web.Request, model: str, keep_alive: float | 
 
 async def _generate(request: web.Request, body: dict, model: str, make_prompt, chat: bool,
                     tools: ToolSpec | None = None) -> web.StreamResponse:
-    """Run one generation; `make_prompt(loaded_model, preset, room, budget)` -> token ids (room: the most tokens
-    the request may hold; budget: its WorkBudget, for the chat template), run in the work pool; ``chat``:
-    answer as a message. The model's preset options sit under the request's."""
+    """Run one generation; `make_prompt(loaded_model, preset, room, budget, variables)` -> token ids (room:
+    the most tokens the request may hold; budget: its WorkBudget, for the chat template; variables: the
+    template's, for thinking), run in the work pool; ``chat``: answer as a message. The model's preset
+    options sit under the request's; ``think`` splits a thinking model's reply."""
     sampling_from_options(body, limits_of(request))  # the request's own options: a 400 before a slot is taken
     keep_alive = keep_alive_s(body)
     check_keep_alive(request, keep_alive)
@@ -148,6 +150,8 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
     structured = forced_output(tools) or await bounded(request, "checking the format schema", ollama_format, body,
                                                        limits_of(request))
     top_logprobs = logprobs_requested(body)
+    asked = think.effort(body.get("think"), "think")
+    raw = field(body, "raw", "boolean", False)
     ctx = context(request)
     timings = Timings()
     async with admit(request, model) as ticket, ctx.registry.use(model, keep_alive) as lease:
@@ -157,8 +161,13 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
         room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
+        thinking = think.checked(think.Thinking(False) if raw else asked, lease.model, preset.template, model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
-                                   lease.model, preset, room, budget_of(request))
+                                   lease.model, preset, room, budget_of(request), think.template_vars(thinking))
+        thinks = think.thinks(thinking, lease.model, preset.template)
+        opened = thinks and think.opens_thinking(lease.model, prompt_ids)
+        if thinks:
+            structured = think.grammar(lease.model, thinking, structured)
         params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
                                       logprobs=top_logprobs, **values)
         # Ollama never fails on num_predict: generation stops at the context (clip).
@@ -171,11 +180,12 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         base = {"model": model}
         token_text = TokenText(lease.model) if top_logprobs is not None else None
 
-        def reply(text: str, calls: list[dict] | None = None) -> dict:
+        def reply(text: str, calls: list[dict] | None = None, thought: str | None = None) -> dict:
+            shown = {"thinking": thought} if thinks and thought is not None else {}
             if not chat:
-                return {"response": text}
-            return {"message": {"role": "assistant", "content": text, **({"tool_calls": _tool_calls(calls)}
-                                                                          if calls else {})}}
+                return {"response": text, **shown}
+            return {"message": {"role": "assistant", "content": text, **shown,
+                                **({"tool_calls": _tool_calls(calls)} if calls else {})}}
 
         def logprobs(items) -> dict:
             return {"logprobs": token_text.entries(items, top_logprobs > 0)} if token_text is not None else {}
@@ -186,23 +196,38 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
 
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
-                held = ReplyFilter(tools)
+                parts = ReplyStream(tools, thinks, opened)
+
+                def line(**fields) -> dict:
+                    return {**base, "created_at": now_rfc3339(), **reply(**fields), "done": False}
+
+                def lines(items) -> list[dict]:
+                    out = []
+                    for kind, value in items:
+                        if kind == "thinking":
+                            out.append(line(text="", thought=value))
+                        elif kind == "text":
+                            out.append(line(text=value))
+                        elif kind == "calls":
+                            out.append(line(text="", calls=value))
+                    return out
 
                 def piece(out):
-                    text = held.feed(out.text)
-                    chunks = [{**base, "created_at": now_rfc3339(), **reply(text), **logprobs(out.logprobs),
-                               "done": False}] if text or out.logprobs and token_text else []
+                    chunks = lines(parts.feed(out.text))
+                    if out.logprobs and token_text:
+                        chunks = chunks or [line(text="")]
+                        chunks[0].update(logprobs(out.logprobs))
                     if out.finished:
-                        rest, calls = held.finish()
-                        if rest or calls:
-                            chunks.append({**base, "created_at": now_rfc3339(), **reply(rest, calls), "done": False})
+                        chunks += lines(parts.finish())
+                        if parts.calls.call is not None:  # Ollama sends a call whole: the streamed one, parsed
+                            chunks.append(line(text="", calls=parse_calls(parts.answer, tools)))
                     return chunks
 
                 fmt = StreamFormat(sse=False, piece=piece, tail=tail, error=lambda err: {"error": err.message})
                 return await relay(request, engine_stream, timings, fmt)
             answer = (await collect(engine_stream, timings))[0]
-            calls = parse_calls(answer.text, tools) if tools.active else None
-            return web.json_response({**tail(answer.out)[0], **reply("" if calls else answer.text, calls),
+            whole = whole_reply(answer.text, tools, thinks, opened)
+            return web.json_response({**tail(answer.out)[0], **reply(whole.text, whole.calls, whole.thinking),
                                       **logprobs(answer.logprobs)})
 
 
@@ -227,12 +252,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt:
         return await _load_or_unload(request, model, keep_alive_s(body), {"response": ""})
 
-    def make_prompt(loaded, preset, room, budget):
+    def make_prompt(loaded, preset, room, budget, variables):
         if raw:
             return encode_text(loaded, prompt)
         messages = chat_with_presets(preset, ([{"role": "system", "content": system}] if system else [])
                                      + [{"role": "user", "content": prompt}])
-        return encode_with_template(loaded, messages, preset.template, budget)
+        return encode_with_template(loaded, messages, preset.template, budget, **variables)
 
     return await _generate(request, body, model, make_prompt, chat=False)
 
@@ -249,8 +274,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
                                      {"message": {"role": "assistant", "content": ""}})
     truncate = field(body, "truncate", "boolean", True)
 
-    def make_prompt(loaded, preset, room, budget):
-        return fit_chat(lambda kept: encode_chat_with_tools(loaded, kept, tools, budget, preset.template),
+    def make_prompt(loaded, preset, room, budget, variables):
+        return fit_chat(lambda kept: encode_chat_with_tools(loaded, kept, tools, budget, preset.template, **variables),
                         chat_with_presets(preset, messages), room, truncate)
 
     return await _generate(request, body, model, make_prompt, chat=True, tools=tools)

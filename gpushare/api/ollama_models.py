@@ -25,6 +25,7 @@ from gpushare.api.model_defaults import context_room
 from gpushare.api.ollama import FOREVER_S, rfc3339
 from gpushare.api.tenant_views import own_view, tenant_rows, tenant_share
 from gpushare.api.tenants import check_admin, check_model, is_admin, visible
+from gpushare.api.thinking import template_thinks
 from gpushare.catalog.model_catalog import catalog_problems
 from gpushare.catalog.blob_store import StoreError, blob_path
 from gpushare.residency.registry import RegistrationError
@@ -68,12 +69,15 @@ async def show(request: web.Request) -> web.Response:
         modelfile = format_modelfile(path, preset, source.name)
     except ModelfileError as e:  # an Ollama-store preset our grammar cannot hold: say so, never a wrong file
         modelfile = f"# {e}\nFROM {os.path.basename(path)}\n"
+    template = preset.template if preset.template is not None else desc.template or ""
     answer = {
         "modelfile": modelfile,
         "parameters": parameters_text(preset.options),
-        "template": preset.template if preset.template is not None else desc.template or "",
+        "template": template,
         "system": preset.system or "", "license": preset.license or "",
-        "details": desc.details, "model_info": model_info, "capabilities": desc.capabilities,
+        "details": desc.details, "model_info": model_info,
+        "capabilities": desc.capabilities + (["thinking"] if desc.kind == "chat" and template_thinks(template)
+                                             else []),
         "modified_at": rfc3339(source.modified_at()), "weights": await registry.weight_format(source.name),
         "kernel": registry.kernel(source.name),  # None until loaded: the worker picks it at load
     }

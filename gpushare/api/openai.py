@@ -4,7 +4,9 @@ Streams are server-sent events ending in ``data: [DONE]``; errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``. vLLM's extra sampling fields
 (top_k, min_p, repetition_penalty, ignore_eos) are accepted. ``n`` answers (``best_of`` may only
 equal it) share the prompt's KV blocks; ``response_format`` and forced ``tool_choice`` constrain
-decoding; ``logprobs`` come from the logits the sampler used.
+decoding; ``logprobs`` come from the logits the sampler used. A thinking model's thinking is
+``reasoning_content`` (``reasoning_effort`` sets its budget, vLLM's ``chat_template_kwargs.enable_thinking``
+turns it off); a tool call streams as vLLM streams it, its arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from aiohttp import web
 from gpushare.api.context import context, encode_text
 from gpushare.api.embeddings import check_serves, embed_texts
 from gpushare.api.errors import bad_request, error_body
-from gpushare.api.fields import field, message_list, read_json_object, reject_unsupported, required_string, string_list
+from gpushare.api.fields import (field, message_list, read_json_object, reject_unsupported, required_string,
+                                 string_list, text_parts)
 from gpushare.api.limits import check_count, check_prompt_chars, check_stop, limits_of
 from gpushare.api.logprobs import TokenText, completion_requested, requested as logprobs_requested
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import (EngineStream, StreamFormat, Timings, checked_request, collect,
                                     make_sampling_params, relay)
 from gpushare.api.structured import openai_response_format
-from gpushare.api.tools import (ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields,
-                                new_call_id, parse_calls, parse_tools)
+from gpushare.api import thinking as think
+from gpushare.api.tools import (ToolSpec, encode_chat_with_tools, forced_output, message_tool_fields, new_call_id,
+                                parse_tools)
+from gpushare.api.turn import ReplyStream, whole_reply
 from gpushare.api.tenants import admit, check_model, visible
 from gpushare.api.work import bounded, budget_of
 from gpushare.residency.registry import ModelLoadError
@@ -75,17 +80,7 @@ def sampling_values(body: dict, limits) -> dict:
 
 def _message_content(m: dict, where: str) -> str:
     content = m.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f'"{where}.content[{j}]": only {{"type": "text", "text": ...}} parts are supported',
-                                  param=f"{where}.content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(f'"{where}.content" must be a string or an array of text parts', param=f"{where}.content")
+    return "" if content is None else text_parts(content, where + ".content")
 
 
 def parse_messages(body: dict, limits) -> list[dict]:
@@ -114,6 +109,15 @@ def parse_prompt(body: dict, limits) -> str | list[int]:
     raise bad_request('"prompt" is required: a non-empty string or an array of token ids', param="prompt")
 
 
+def _thinking(body: dict) -> think.Thinking:
+    """``reasoning_effort``, or vLLM's ``chat_template_kwargs.enable_thinking``."""
+    kwargs = field(body, "chat_template_kwargs", "object", {})
+    enabled = field(kwargs, "enable_thinking", "boolean", prefix="chat_template_kwargs.")
+    if enabled is not None:
+        return think.Thinking(enabled, param="chat_template_kwargs.enable_thinking")
+    return think.effort(field(body, "reasoning_effort", "string"), "reasoning_effort", strict=False)
+
+
 # ---------------------------------------------------------------------------- shared flow
 
 def _usage(answers_out: list) -> dict:
@@ -128,7 +132,7 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
 
 
 async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
-                    tools: ToolSpec | None = None) -> web.StreamResponse:
+                    tools: ToolSpec | None = None, thinking: think.Thinking | None = None) -> web.StreamResponse:
     model = required_string(body, "model")
     n = _answers(body)
     values = sampling_values(body, limits_of(request))
@@ -146,8 +150,13 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         preset = lease.entry.source.preset  # the model's options, system prompt, template (model_defaults.py)
         explicit = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
         fill_openai_values(values, preset, explicit)
+        thinking = think.checked(thinking or think.Thinking(False), lease.model, preset.template, model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
-                                   lease.model, preset, budget_of(request))
+                                   lease.model, preset, budget_of(request), think.template_vars(thinking))
+        thinks = chat and think.thinks(thinking, lease.model, preset.template)
+        opened = thinks and think.opens_thinking(lease.model, prompt_ids)
+        if thinks:
+            structured = think.grammar(lease.model, thinking, structured)
         params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
         # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
@@ -171,17 +180,18 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
             text_offsets[index] += len(text)
             return entry
 
-        def choice(index: int, text: str | None, finish_reason: str | None, items=None, calls=None) -> dict:
+        def choice(index: int, text: str | None, finish_reason: str | None, items=None, calls=None,
+                   reasoning: str | None = None) -> dict:
             lp = logprobs(index, items, text or "") if items is not None else None
             if calls:
                 finish_reason = finish_reason and "tool_calls"
             if chat and stream:
                 delta = {} if text is None else {"content": text}
-                if calls:
-                    delta["tool_calls"] = _tool_calls(calls)
                 return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             if chat:
                 message = {"role": "assistant", "content": None if calls else text}
+                if thinks:
+                    message["reasoning_content"] = reasoning
                 if calls:
                     message["tool_calls"] = _tool_calls(calls)
                 return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
@@ -192,43 +202,73 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
 
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
-                held = [ReplyFilter(tools) for _ in range(n)]
-                called: dict[int, list] = {}
-                finals: list = []
-
-                def head() -> list[dict]:
-                    return [chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}) for i in range(n)] if chat else []
-
-                def piece(out) -> list[dict]:
-                    text = held[out.index].feed(out.text)
-                    chunks = [chunk(choice(out.index, text, None, out.logprobs))] if text or out.logprobs else []
-                    if out.finished:
-                        rest, calls = held[out.index].finish()
-                        if calls:
-                            called[out.index] = calls
-                            chunks.append(chunk(choice(out.index, None, None, calls=calls)))
-                        elif rest:
-                            chunks.append(chunk(choice(out.index, rest, None)))
-                    return chunks
-
-                def tail(out) -> list[dict]:
-                    finals.append(out)
-                    reason = "tool_calls" if out.index in called else out.finish_reason
-                    return [chunk(choice(out.index, None, reason))]
-
-                def end() -> list[dict]:
-                    return [{**base, "choices": [], "usage": _usage(finals)}] if include_usage else []
-
-                fmt = StreamFormat(sse=True, head=head, piece=piece, tail=tail, end=end,
-                                   error=lambda err: error_body(request.path, err))
-                return await relay(request, engine_stream, timings, fmt)
+                return await _relay_stream(request, engine_stream, timings, chat, n, include_usage, base, chunk,
+                                           choice, [ReplyStream(tools, thinks, opened) for _ in range(n)])
             answers = await collect(engine_stream, timings)
             choices = []
             for a in answers:
-                calls = parse_calls(a.text, tools) if tools.active else None
-                choices.append(choice(a.index, None if calls else a.text, a.out.finish_reason, a.logprobs, calls))
+                reply = whole_reply(a.text, tools, thinks, opened)
+                choices.append(choice(a.index, None if reply.calls else reply.text, a.out.finish_reason, a.logprobs,
+                                      reply.calls, reply.thinking))
             return web.json_response({**base, "choices": choices, "usage": _usage([a.out for a in answers])})
+
+
+async def _relay_stream(request, engine_stream, timings, chat: bool, n: int, include_usage: bool, base: dict, chunk,
+                        choice, parts: list) -> web.StreamResponse:
+    """A chat or completion stream: each answer's thinking as ``reasoning_content``, its text, and a tool
+    call as vLLM streams one (its id and name, then its arguments as they are generated)."""
+    calls_sent = [0] * n  # tool calls begun per answer
+    finals: list = []
+
+    def delta(index: int, d: dict, lp=None) -> dict:
+        return chunk({"index": index, "delta": d, "logprobs": lp, "finish_reason": None})
+
+    def events(index: int, items) -> list[dict]:
+        chunks = []
+        for kind, value in items:
+            if kind == "text":
+                chunks.append(chunk(choice(index, value, None)))
+            elif kind == "thinking":
+                chunks.append(delta(index, {"reasoning_content": value}))
+            elif kind == "call":
+                calls_sent[index] += 1
+                chunks.append(delta(index, {"tool_calls": [{"index": calls_sent[index] - 1, "id": new_call_id(),
+                                                            "type": "function",
+                                                            "function": {"name": value, "arguments": ""}}]}))
+            elif kind == "arguments":
+                chunks.append(delta(index, {"tool_calls": [{"index": calls_sent[index] - 1,
+                                                            "function": {"arguments": value}}]}))
+            else:
+                calls_sent[index] += len(value)
+                chunks.append(delta(index, {"tool_calls": _tool_calls(value)}))
+        return chunks
+
+    def head() -> list[dict]:
+        return [delta(i, {"role": "assistant", "content": ""}) for i in range(n)] if chat else []
+
+    def piece(out) -> list[dict]:
+        if not chat:
+            return [chunk(choice(out.index, out.text, None, out.logprobs))] if out.text or out.logprobs else []
+        chunks = events(out.index, parts[out.index].feed(out.text))
+        if out.logprobs:  # the token's logprobs ride on its chunk (the first, if it made several)
+            lp = choice(out.index, None, None, out.logprobs)["logprobs"]
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = lp
+            else:
+                chunks.append(delta(out.index, {}, lp))
+        return chunks + (events(out.index, parts[out.index].finish()) if out.finished else [])
+
+    def tail(out) -> list[dict]:
+        finals.append(out)
+        reason = "tool_calls" if calls_sent[out.index] else out.finish_reason
+        return [chunk(choice(out.index, None, reason))]
+
+    def end() -> list[dict]:
+        return [{**base, "choices": [], "usage": _usage(finals)}] if include_usage else []
+
+    fmt = StreamFormat(sse=True, head=head, piece=piece, tail=tail, end=end,
+                       error=lambda err: error_body(request.path, err))
+    return await relay(request, engine_stream, timings, fmt)
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -238,8 +278,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     limits = limits_of(request)
     messages = await bounded(request, "reading the messages", parse_messages, body, limits)
     tools = await bounded(request, "checking the tools", parse_tools, body, limits, messages)
-    return await _complete(request, body, lambda model, preset, budget: encode_chat_with_tools(
-        model, chat_with_presets(preset, messages), tools, budget, preset.template), chat=True, tools=tools)
+    return await _complete(request, body, lambda model, preset, budget, variables: encode_chat_with_tools(
+        model, chat_with_presets(preset, messages), tools, budget, preset.template, **variables), chat=True,
+        tools=tools, thinking=_thinking(body))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -248,7 +289,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               "response_format": "is not supported on /v1/completions; use /v1/chat/completions"})
     prompt = await bounded(request, "reading the prompt", parse_prompt, body, limits_of(request))
 
-    def make_prompt(model, preset, budget):  # a raw prompt: the model's system prompt and template do not apply
+    def make_prompt(model, preset, budget, variables):  # a raw prompt: no system prompt, no template
         return encode_text(model, prompt) if isinstance(prompt, str) else prompt
 
     # OpenAI's legacy completions default to 16 tokens.

@@ -215,6 +215,37 @@ class StreamFormat:
     error: Callable[[ApiError], dict]
     head: Callable[[], list[dict]] = list  # the chunks before the first text
     end: Callable[[], list[dict]] = list  # the chunks after every answer finished
+    typed_events: bool = False  # SSE events named by each chunk's "type", no "data: [DONE]" (Anthropic, Responses)
+    ping: Callable[[], dict] | None = None  # sent when no output came for PING_INTERVAL_S
+
+
+PING_INTERVAL_S = 10.0
+
+
+class _Pinged:
+    """The stream's outputs, and None each time PING_INTERVAL_S passes without one (without cancelling
+    the wait for the next output: a cancelled queue read could lose it)."""
+
+    def __init__(self, stream: EngineStream, pinging: bool):
+        self.stream, self.pinging, self.next = stream, pinging, None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.pinging or self.stream.finished:
+            return await self.stream.__anext__()
+        if self.next is None:
+            self.next = asyncio.ensure_future(self.stream.__anext__())
+        done, _ = await asyncio.wait({self.next}, timeout=PING_INTERVAL_S)
+        if not done:
+            return None
+        task, self.next = self.next, None
+        return task.result()
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.next.cancel()
 
 
 async def relay(request: web.Request, stream: EngineStream, timings: Timings, fmt: StreamFormat) -> web.StreamResponse:
@@ -238,12 +269,18 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
 
     async def send(obj: dict) -> None:
         data = json.dumps(obj, ensure_ascii=False)
-        await asyncio.wait_for(response.write((f"data: {data}\n\n" if fmt.sse else data + "\n").encode()),
-                               write_timeout_s)
+        frame = f"event: {obj['type']}\ndata: {data}\n\n" if fmt.typed_events else \
+            f"data: {data}\n\n" if fmt.sse else data + "\n"
+        await asyncio.wait_for(response.write(frame.encode()), write_timeout_s)
 
     failed = False
+    outputs = _Pinged(stream, fmt.ping is not None)
     try:
-        async for out in stream:
+        async for out in outputs:
+            if out is None:
+                if response.prepared:
+                    await send(fmt.ping())
+                continue
             timings.observe(out)
             err = finish_error(out) if out.finished else None
             failed = err is not None
@@ -264,7 +301,7 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
         if stream.finished and not failed:
             for chunk in fmt.end():
                 await send(chunk)
-        if fmt.sse:
+        if fmt.sse and not fmt.typed_events:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:
@@ -274,4 +311,6 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
                     write_timeout_s)
         if request.transport is not None:
             request.transport.abort()
+    finally:
+        outputs.close()
     return response

@@ -52,7 +52,7 @@ OPEN_PATHS = frozenset({"/", "/api/version", "/health", "/ready", *UI_PATHS})
 GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_metrics (api/gateway_metrics.py)
 INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/load",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank",
-                             "/v1/score"})
+                             "/v1/score", "/v1/messages", "/v1/responses"})
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
 

@@ -218,10 +218,11 @@ def render_messages(model, messages: list[dict], spec: ToolSpec, budget: WorkBud
 
 
 def encode_chat_with_tools(model, messages: list[dict], spec: ToolSpec, budget: WorkBudget,
-                           template: str | None = None) -> list[int]:
-    """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own."""
+                           template: str | None = None, **variables) -> list[int]:
+    """Token ids of a chat with its tools, through `template` (a model preset's TEMPLATE) or the model's own;
+    ``variables``: more template variables (``enable_thinking``)."""
     messages, extra = render_messages(model, messages, spec, budget, template)
-    return encode_with_template(model, messages, template, budget, **extra)
+    return encode_with_template(model, messages, template, budget, **extra, **variables)
 
 
 # ---------------------------------------------------------------------------- the reply

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from gpushare.catalog.model_head import grammar_vocab
-from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_schema
+from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_lark, check_schema
 
 if TYPE_CHECKING:  # torch only where masks are applied: the supervisor checks schemas without it
     import torch
@@ -26,7 +26,8 @@ _executor: llguidance.LLExecutor | None = None
 
 
 def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:
-    matcher = llguidance.LLMatcher(grammar_vocab(loaded), check_schema(structured.schema()), log_level=0)
+    grammar = check_lark(structured.lark) if structured.lark is not None else check_schema(structured.schema())
+    matcher = llguidance.LLMatcher(grammar_vocab(loaded), grammar, log_level=0)
     if matcher.is_error():
         raise SchemaError(f"the grammar failed to build: {matcher.get_error()}")
     return matcher

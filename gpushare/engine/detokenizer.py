@@ -33,9 +33,10 @@ def finish_reason(seq: Sequence, token: int, stop_ids: set, context_length: int)
         # Only the tail can hold a new match: the last token added at most its own characters.
         window = max(len(s) for s in params.stop) + 16
         start = max(0, seq.emitted_chars - window)
-        hits = [i for i in (seq.text.find(s, start) for s in params.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((seq.text.find(s, start), s) for s in params.stop) if i >= 0]
         if hits:
-            seq.text = seq.text[:min(hits)]
+            at, seq.stop_reason = min(hits)
+            seq.text = seq.text[:at]
             return "stop"
     if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= context_length:
         return "length"

@@ -513,7 +513,7 @@ class Engine:
         return RequestOutput(seq.request_id, releasable_text(seq, finished), new_ids, finished, reason, error,
                              len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s,
                              seq.prompt_logprobs if first_token else None, logprobs, seq.index,
-                             seq.scheduled_time_s)
+                             seq.scheduled_time_s, seq.stop_reason if finished else None)
 
     def _emit(self, seq: Sequence, out: RequestOutput) -> None:
         self._outputs.append((seq, out))  # delivered by the next _flush

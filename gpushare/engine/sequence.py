@@ -47,6 +47,7 @@ class Sequence:
     last_logprobs: TokenLogprobs | None = None  # of the token sampled last, when params.logprobs asks
     index: int = 0  # of the request's n answers; answers 1..n-1 are forked from answer 0 after the prefill
     forks: list["Sequence"] = field(default_factory=list)  # answer 0's siblings, once forked
+    stop_reason: str | None = None  # the stop string that ended it
     # Incremental detokenisation state (see Detokenizer in engine.py).
     text: str = ""
     emitted_chars: int = 0

@@ -24,3 +24,4 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per token of ``token_ids`` that made text
     index: int = 0  # which of the request's ``n`` answers this is
     scheduled_time_s: float | None = None  # time.monotonic() when its prompt first went into a batch
+    stop_reason: str | None = None  # on a "stop" finish by a stop string: that string (vLLM's stop_reason)

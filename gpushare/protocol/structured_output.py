@@ -21,9 +21,11 @@ class SchemaError(ValueError):
 
 @dataclass
 class StructuredOutput:
-    """What the output must be: valid against ``json_schema``, or (``json_object``) any JSON object."""
+    """What the output must be: valid against ``json_schema``, or (``json_object``) any JSON object, or
+    (``lark``) an llguidance Lark grammar (thinking, then what follows it: api/thinking.py)."""
     json_schema: dict | None = None
     json_object: bool = False
+    lark: str | None = None
 
     def schema(self) -> dict:
         return self.json_schema if self.json_schema is not None else {"type": "object"}
@@ -53,5 +55,15 @@ def _grammar(schema_text: str) -> str:
         raise SchemaError(f"is not a valid JSON Schema: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error or messages:
+        raise SchemaError(f"cannot be enforced: {'; '.join(messages)}")
+    return grammar
+
+
+def check_lark(source: str) -> str:
+    """The llguidance grammar of a Lark grammar; SchemaError when it does not compile. Token references
+    (``<[id]>``) are checked against the vocabulary when the matcher is built."""
+    grammar = llguidance.grammar_from("lark", source)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
         raise SchemaError(f"cannot be enforced: {'; '.join(messages)}")
     return grammar
