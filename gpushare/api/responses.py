@@ -112,7 +112,7 @@ def _format(body: dict, limits):
     """``text.format``, the shape of chat's response_format with the json_schema fields inline."""
     fmt = field(field(body, "text", "object", {}), "format", "object", prefix="text.")
     if fmt is None or fmt.get("type") != "json_schema":
-        return openai_response_format({"response_format": fmt})
+        return openai_response_format({"response_format": fmt}, limits)
     spec = {"name": fmt.get("name"), "schema": fmt.get("schema", {"type": "object"}),
             "strict": fmt.get("strict", False)}
     return openai_response_format({"response_format": {"type": "json_schema", "json_schema": spec}}, limits)
