@@ -42,8 +42,8 @@ def test_bad_entries_name_their_index_and_what_is_accepted():
     refused(f"engine.devices[1]: 'gpu0' is not a device; {ACCEPTED}", engine={"devices": ["cuda:0", "gpu0"]})
     refused(f"engine.devices[0]: 7 is not a device; {ACCEPTED}", engine={"devices": [7]})
     refused(f"engine.devices[0]: 'cpu:4-' is not a device; {ACCEPTED}", engine={"devices": ["cpu:4-"]})
-    refused("engine.devices: must be auto or a non-empty list of devices, got []", engine={"devices": []})
-    refused("engine.devices: must be auto or a non-empty list of devices, got 'cuda:0'", engine={"devices": "cuda:0"})
+    refused("engine.devices: must be auto or a non-empty list of devices, got a list of 0 items", engine={"devices": []})
+    refused("engine.devices: must be auto or a non-empty list of devices, got str 'cuda:0'", engine={"devices": "cuda:0"})
 
 
 def test_duplicates_and_shared_cpus_are_refused():
