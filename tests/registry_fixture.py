@@ -58,6 +58,7 @@ class Registry:
     corrupt: set[str] = field(default_factory=set)
     token: str | None = None  # when set: Docker's Bearer flow, /token hands out this
     on_blob: object = None  # called with the digest as a blob's answer starts (a test's hook)
+    bytes_per_s: float | None = None  # each answer's link speed (None: as fast as loopback goes)
     port: int = 0
 
     @property
@@ -143,6 +144,8 @@ class Registry:
                 return response
             await response.write(piece)
             seen.sent += len(piece)
+            if self.bytes_per_s:
+                await asyncio.sleep(len(piece) / self.bytes_per_s)
         await response.write_eof()
         return response
 

@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,13 +31,12 @@ def q8_0(name: str, array: np.ndarray):
     return quants.quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
 
 
-@pytest.fixture(scope="module")
-def stale_cache(tmp_path_factory):
-    """A cache as an older gpushare left it after one disturbed measurement: weights "float32", and
-    kernel verdicts in a format this version does not read."""
+def stale_cache(cache: Path) -> Path:
+    """``cache`` as an older gpushare left it after one disturbed measurement: weights "float32", and
+    kernel verdicts in a format this version does not read. Each user gets its own: a load measures
+    on a quiet machine and replaces the broken files."""
     from gpushare.kernels import cpu_ops
 
-    cache = tmp_path_factory.mktemp("xdg")
     built = cpu_ops.library_path(cpu_ops._compiler()) if cpu_ops.loaded() else None
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(cache))
@@ -58,11 +58,11 @@ def q8_file(tmp_path_factory, smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, smollm2_path, stale_cache, q8_file):
+def daemon(tmp_path_factory, smollm2_path, q8_file):
     overrides = {"models": [{"name": MODEL, "path": smollm2_path, "preload": True},
                             {"name": Q8_MODEL, "path": q8_file, "preload": True}]}
     with serving(tmp_path_factory.mktemp("weights-default"), smollm2_path, overrides,
-                 env={"XDG_CACHE_HOME": str(stale_cache)}) as d:
+                 env={"XDG_CACHE_HOME": str(stale_cache(tmp_path_factory.mktemp("xdg")))}) as d:
         yield d
 
 
@@ -80,9 +80,9 @@ def test_auto_keeps_quantized_files_quantized_on_every_device():
         resolve_weights("int3", "cpu", set())
 
 
-def test_a_float32_verdict_left_behind_does_not_make_a_quantized_file_dense(stale_cache, smollm2_path, q8_file,
+def test_a_float32_verdict_left_behind_does_not_make_a_quantized_file_dense(tmp_path, smollm2_path, q8_file,
                                                                            monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(stale_cache))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(stale_cache(tmp_path)))
     assert load_model(smollm2_path, weights="auto").weights == "int4"
     assert load_model(q8_file, weights="auto").weights == "int8"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import stat
 
 MAX_JSON_BYTES = 64 << 20  # a model folder's JSON files (tokenizer.json of a 256k vocabulary is ~35 MB)
@@ -28,11 +29,16 @@ class ModelFileError(ValueError):
 
 
 def _allowed_root(folder_real: str) -> str:
-    """The folder links may point into: the folder, or a Hugging Face cache repository
-    (``models--org--name/snapshots/<rev>`` links to ``models--org--name/blobs/``)."""
+    """The folder links may point into: the folder, a Hugging Face cache repository
+    (``models--org--name/snapshots/<rev>`` links to ``models--org--name/blobs/``), or the store a pull
+    wrote (``folders/sha256-<hex>/`` links to the same store's ``blobs/``: catalog/blob_store.py;
+    only an admin pulls)."""
     parent = os.path.dirname(folder_real)
     if os.path.basename(parent) == "snapshots" and os.path.basename(os.path.dirname(parent)).startswith("models--"):
         return os.path.dirname(parent)
+    if os.path.basename(parent) == "folders" and re.fullmatch(r"sha256-[0-9a-f]{64}", os.path.basename(folder_real)) \
+            and os.path.isdir(os.path.join(os.path.dirname(parent), "blobs")):
+        return os.path.dirname(parent)  # the store: the folder's own links and the blobs they name
     return folder_real
 
 
