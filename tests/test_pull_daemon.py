@@ -56,7 +56,10 @@ def tiny_folder(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, smollm2_path, registry):
     tmp = tmp_path_factory.mktemp("pull")
-    env = {"HF_ENDPOINT": f"http://{registry.host}", "HF_TOKEN": HF_TOKEN, "HF_HOME": str(tmp / "hf-home")}
+    # HF_HUB_OFFLINE=0: the encoder tests' helpers set it to 1 for this whole test process, and a
+    # daemon started after them would inherit it and never reach the registry on 127.0.0.1
+    env = {"HF_ENDPOINT": f"http://{registry.host}", "HF_TOKEN": HF_TOKEN, "HF_HOME": str(tmp / "hf-home"),
+           "HF_HUB_OFFLINE": "0"}
     with serving(tmp, smollm2_path, {"engine": {"weights": "float32"}}, env=env) as daemon:
         yield daemon
 
