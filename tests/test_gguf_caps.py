@@ -121,3 +121,20 @@ def test_model_files_stay_in_their_folder_and_are_regular(tmp_path):
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").symlink_to("../../blobs/abc123")
     assert read_json(str(snapshot), "config.json") == {"model_type": "llama"}
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("bert.block_count", 2_000_000_000, r"num_layers 2000000000 is out of range \(1 to 1024\)"),
+    ("bert.context_length", 1 << 40, "context_length 1099511627776 is out of range"),
+    ("tokenizer.ggml.token_type_count", 1 << 40, "type_vocab_size 1099511627776 is out of range"),
+    ("bert.attention.head_count", 7, "hidden_size 64 is not a multiple of num_heads 7"),
+])
+def test_an_encoder_header_with_absurd_numbers_is_refused(key, value, message):
+    from gpushare.catalog.encoder_config import encoder_config_from_gguf
+
+    meta = {"general.architecture": "bert", "tokenizer.ggml.tokens": ["a"] * 30, "bert.embedding_length": 64,
+            "bert.feed_forward_length": 128, "bert.block_count": 2, "bert.attention.head_count": 4,
+            "bert.context_length": 512}
+    assert encoder_config_from_gguf(meta).num_layers == 2
+    with pytest.raises(ValueError, match=message):
+        encoder_config_from_gguf({**meta, key: value})

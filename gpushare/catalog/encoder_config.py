@@ -8,6 +8,10 @@ cache; its ``kind`` says what it serves: ``embedding`` (a bare encoder) or ``rer
 
 from dataclasses import dataclass
 
+from gpushare.catalog.model_config import LIMITS
+
+MAX_TYPE_VOCAB = 1 << 10  # BERT's token types: 2 in every released model; a crafted file may claim 2**40
+
 # HF model_type -> our arch name (llama.cpp's GGUF architecture names where it has one).
 _HF_ARCHS = {"bert": "bert", "roberta": "xlm-roberta", "xlm-roberta": "xlm-roberta", "nomic_bert": "nomic-bert"}
 GGUF_ENCODER_ARCHS = ("bert", "nomic-bert")
@@ -33,6 +37,18 @@ class EncoderConfig:
     rope_theta: float = 10000.0
     num_labels: int = 0  # 1: a cross-encoder (relevance score); 0: a bare encoder
     is_encoder: bool = True  # what the engine and the registry tell an encoder from a decoder by
+
+    def __post_init__(self):
+        # The same caps as a decoder's (model_config.LIMITS), checked before anything is sized by them:
+        # a crafted header's 2e9 layers or 2**40 positions must not become tables in memory.
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "context_length"):
+            value = getattr(self, name)
+            if not 1 <= value <= LIMITS[name]:
+                raise ValueError(f"{name} {value} is out of range (1 to {LIMITS[name]})")
+        if not 1 <= self.type_vocab_size <= MAX_TYPE_VOCAB:
+            raise ValueError(f"type_vocab_size {self.type_vocab_size} is out of range (1 to {MAX_TYPE_VOCAB})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
 
     @property
     def head_dim(self) -> int:
