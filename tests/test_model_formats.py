@@ -21,7 +21,7 @@ def greedy(n=12):
 
 def test_sharded_safetensors_folder_answers_like_the_gguf(llm, smollm2_path, tmp_path):
     folder = gguf_to_hf_folder(smollm2_path, str(tmp_path / "smollm2-hf"))
-    hf_llm = LLM(folder, num_threads=2)
+    hf_llm = LLM(folder, dtype="float32", weights="float32", kv_dtype="float32", num_threads=2)  # the exact path, as `llm`
     try:
         assert hf_llm.model.render_chat(CONVS[0]) == llm.model.render_chat(CONVS[0])
         got = [o.token_ids for o in hf_llm.chat(CONVS, greedy())]
