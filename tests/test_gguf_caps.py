@@ -124,7 +124,7 @@ def test_model_files_stay_in_their_folder_and_are_regular(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("bert.block_count", 2_000_000_000, r"num_layers 2000000000 is out of range \(1 to 1024\)"),
+    ("bert.block_count", 2_000_000_000, r"num_layers 2000000000 is out of range \(1 to 1024, the cap on num_layers\)"),
     ("bert.context_length", 1 << 40, "context_length 1099511627776 is out of range"),
     ("tokenizer.ggml.token_type_count", 1 << 40, "type_vocab_size 1099511627776 is out of range"),
     ("bert.attention.head_count", 7, "hidden_size 64 is not a multiple of num_heads 7"),

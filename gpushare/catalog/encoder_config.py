@@ -8,7 +8,7 @@ cache; its ``kind`` says what it serves: ``embedding`` (a bare encoder) or ``rer
 
 from dataclasses import dataclass
 
-from gpushare.catalog.model_config import LIMITS
+from gpushare.catalog.model_config import bounded
 
 MAX_TYPE_VOCAB = 1 << 10  # BERT's token types: 2 in every released model; a crafted file may claim 2**40
 
@@ -42,9 +42,7 @@ class EncoderConfig:
         # The same caps as a decoder's (model_config.LIMITS), checked before anything is sized by them:
         # a crafted header's 2e9 layers or 2**40 positions must not become tables in memory.
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "context_length"):
-            value = getattr(self, name)
-            if not 1 <= value <= LIMITS[name]:
-                raise ValueError(f"{name} {value} is out of range (1 to {LIMITS[name]})")
+            bounded(name, getattr(self, name), name)
         if not 1 <= self.type_vocab_size <= MAX_TYPE_VOCAB:
             raise ValueError(f"type_vocab_size {self.type_vocab_size} is out of range (1 to {MAX_TYPE_VOCAB})")
         if self.hidden_size % self.num_heads:
