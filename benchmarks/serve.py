@@ -94,7 +94,7 @@ def chat_url(base_url: str) -> str:
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> RequestTimeline:
-    """Send one streaming chat completion and time its chunks."""
+    """Send one streaming chat (or plain) completion and time its chunks."""
     tl = RequestTimeline(start_s=time.perf_counter())
     content_chunks = 0
     try:
@@ -119,7 +119,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Re
                 choices = data.get("choices") or []
                 delta = choices[0].get("delta", {}) if choices else {}
                 # The role-only opening chunk carries no token: it must not count as TTFT.
-                if delta.get("content") or delta.get("reasoning_content"):
+                # /v1/completions streams `text` where chat streams a delta.
+                if delta.get("content") or delta.get("reasoning_content") or (choices and choices[0].get("text")):
                     tl.chunk_times_s.append(now)
                     content_chunks += 1
                 if usage := data.get("usage"):
