@@ -57,12 +57,12 @@ def model_sizes(gguf: str) -> tuple[int, int, str]:
     llm = LLM(gguf)
     try:
         step_bytes = linear_params = 0
-        for module in llm.model.modules():
+        for module in llm.model.model.modules():
             if isinstance(module, Linear):
                 tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
                 step_bytes += sum(t.numel() * t.element_size() for t in tensors)
                 linear_params += module.in_features * module.out_features
-        return step_bytes, linear_params, linear_kernels(llm.model)
+        return step_bytes, linear_params, linear_kernels(llm.model.model)
     finally:
         llm.shutdown()
 

