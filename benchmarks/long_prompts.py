@@ -80,8 +80,9 @@ def start_ours(args, log_dir: str) -> tuple[ServerProcess, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess("gpushare", [os.path.join(ROOT, ".venv", "bin", "gpushare"), "serve", "--host",
-                                      f"127.0.0.1:{port}", "--threads", str(args.threads)],
-                         url + "/", os.path.join(log_dir, "gpushare.log"), dict(os.environ))
+                                      f"127.0.0.1:{port}"],
+                         url + "/", os.path.join(log_dir, "gpushare.log"),
+                         dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     proc.start(timeout_s=300)
     return proc, url
 
