@@ -69,7 +69,7 @@ def _rank(rank: int, init_file: str, reps: int, out_file: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from gpushare.engine.tensor_parallel import Forward, all_reduce, broadcast_op, gather_logits, join_group
+    from gpushare.engine.tp_runtime import Forward, all_reduce, broadcast_op, gather_logits, join_group
     from gpushare.protocol.messages import GroupSpec
     from gpushare.models.llama import AttentionBatch
 

@@ -63,6 +63,32 @@ def _scores(q, k, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table, tokens, tok_ok, dims, dim_ok, block_size, kv_head,
+             stride_cb, stride_cs, stride_ch):
+    """K and V rows of ``tokens`` (one KV head) from the paged cache through the block table, in float32."""
+    blocks = tl.load(table + tokens // block_size, mask=tok_ok, other=0).to(tl.int64)
+    row_off = blocks * stride_cb + (tokens % block_size) * stride_cs + kv_head * stride_ch
+    kv_off = row_off[:, None] + dims[None, :]
+    kv_mask = tok_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(m, l, acc, s, v, PRECISION: tl.constexpr):
+    """Fold one tile's log2 scores ``s`` and values ``v`` into the running max, sum and output."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A row may see nothing in this tile yet (its window starts later): keep its sums at zero.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -279,24 +305,13 @@ def _prefill_kernel(
     for start in range(kv_start, kv_end, TILE):
         tokens = start + tl.arange(0, TILE)
         tok_ok = tokens < kv_end
-        blocks = tl.load(table + tokens // block_size, mask=tok_ok, other=0).to(tl.int64)
-        row_off = blocks * stride_cb + (tokens % block_size) * stride_cs + kv_head * stride_ch
-        kv_off = row_off[:, None] + dims[None, :]
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tokens, tok_ok, dims, dim_ok, block_size, kv_head,
+                        stride_cb, stride_cs, stride_ch)
         s = _scores(q, k, scale, softcap, PRECISION, SOFTCAP)
         visible = (tokens[None, :] <= positions[:, None]) & (tokens[None, :] > positions[:, None] - window)
         visible = visible & tok_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row may see nothing in this tile yet (its window starts later): keep its sums at zero.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_step(m, l, acc, s, v, PRECISION)
 
     out = acc / tl.where(l == 0, 1.0, l)[:, None]  # padding rows past a window may see nothing
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],

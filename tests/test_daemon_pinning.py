@@ -5,7 +5,7 @@ import re
 
 from daemon_fixture import http, serving
 from gpushare.node.affinity import plan_pinning
-from gpushare.node.settings import parse_node_settings
+from gpushare.node.node_settings import parse_node_settings
 from gpushare.node.topology import parse_cpulist, read_topology
 
 

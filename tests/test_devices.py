@@ -236,7 +236,7 @@ def test_an_eight_gpu_node_gets_one_worker_per_gpu_with_its_uuid_and_local_cpus(
 def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
     from gpushare.settings.settings import parse_settings
     from gpushare.daemon.serve import worker_clients
-    from gpushare.node.settings import parse_node_settings
+    from gpushare.node.node_settings import parse_node_settings
 
     node = parse_node_settings({"mps": {"enabled": True}})
     settings = parse_settings({"models": []}, env={})

@@ -185,5 +185,5 @@ def test_a_cancelled_embedding_runs_no_more_batches(bert):
         assert future.cancel()
         steps_at_cancel = encoder.steps
         assert len(embed(engine, TEXTS[:1])) == 1  # the loop has moved on past the cancelled request
-        assert engine.pending_embeds == []
+        assert engine.embeds.pending == []
         assert encoder.steps - steps_at_cancel < 100

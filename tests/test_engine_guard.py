@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpushare import SamplingParams
-from gpushare.engine import engine as engine_module
+from gpushare.engine import step_outputs as step_outputs_module
 from gpushare.protocol.request import EmbedRequest, EngineFailed
 from gpushare.engine.sampling import sample
 from gpushare.protocol.sampling_params import SamplingFailure
@@ -94,14 +94,14 @@ def test_a_failure_after_the_step_ends_only_that_request(llm, monkeypatch):
     reference = llm.chat([[{"role": "user", "content": PROMPTS[0]}]], greedy(16))[0].token_ids
     engine = small_engine(llm, num_blocks=64)
     doomed = []
-    real_append_text = engine_module.append_text
+    real_append_text = step_outputs_module.append_text
 
     def append_text(tokenizer, seq):  # an injected bug that hits one sequence
         if seq.request_id in doomed and len(seq.output_ids) == 3:
             raise RuntimeError("injected detokenizer bug")
         return real_append_text(tokenizer, seq)
 
-    monkeypatch.setattr(engine_module, "append_text", append_text)
+    monkeypatch.setattr(step_outputs_module, "append_text", append_text)
     try:
         results, done = {}, threading.Event()
         engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(16)), collect_into(results, 0, done, 2))

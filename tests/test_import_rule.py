@@ -24,9 +24,6 @@ EXCEPTIONS = {
     # engine.isolation: thread runs each device's engine on a thread of the daemon's own process: by that
     # setting's definition the supervisor hosts the engine (the default, process, never reaches this import).
     ("gpushare.daemon.serve", "gpushare.engine.local_device"),
-    # Not yet undone (issue 33's step 3): Linear asks cpu_kernels for this machine's kernel verdicts itself,
-    # and cpu_kernels times Linear, a circle. The mend: the loader hands Linear its kernel choices.
-    ("gpushare.models.linear", "gpushare.models.cpu_kernels"),
 }
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import sysfs_root  # noqa: E402
 
 from gpushare.node.affinity import EngineTarget, EnginePinning, apply_thread_affinity, plan_pinning  # noqa: E402
-from gpushare.node.settings import NodeSettings  # noqa: E402
+from gpushare.node.node_settings import NodeSettings  # noqa: E402
 from gpushare.node.topology import read_topology  # noqa: E402
 
 SIBLINGS_NOTE = "no spare core: HTTP and tokenisation run on the SMT siblings of engine cores"

@@ -15,7 +15,7 @@ from gpushare.cli import node as node_cli  # noqa: E402
 from gpushare.node import commands  # noqa: E402
 from gpushare.node.commands import NodeContext  # noqa: E402
 from gpushare.node.gpu import read_gpus  # noqa: E402
-from gpushare.node.settings import MpsSettings, NodeSettings  # noqa: E402
+from gpushare.node.node_settings import MpsSettings, NodeSettings  # noqa: E402
 
 QUERY = ("nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,mig.mode.current,mig.mode.pending,compute_mode "
          "--format=csv,noheader")

@@ -12,7 +12,7 @@ from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, h100_with_mig, sysfs
 from gpushare.node.affinity import SIBLINGS_NOTE, SHARED_NOTE, plan_pinning  # noqa: E402
 from gpushare.node.devices import WorkerPlan, parse_device, plan_workers  # noqa: E402
 from gpushare.node.gpu import read_gpus  # noqa: E402
-from gpushare.node.settings import parse_node_settings  # noqa: E402
+from gpushare.node.node_settings import parse_node_settings  # noqa: E402
 from gpushare.node.topology import read_topology  # noqa: E402
 
 MIB = 2**20

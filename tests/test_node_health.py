@@ -9,7 +9,7 @@ import pynvml
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, h100_with_mig  # noqa: E402
 
-from gpushare.node.health import NO_GPU_INSTANCE, DeviceHealth, XidEvent, XidWatch, read_health  # noqa: E402
+from gpushare.node.gpu_health import NO_GPU_INSTANCE, DeviceHealth, XidEvent, XidWatch, read_health  # noqa: E402
 
 
 def node():

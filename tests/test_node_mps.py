@@ -11,7 +11,7 @@ from node_fakes import ReplayRunner, recorded  # noqa: E402
 
 from gpushare.node import mps  # noqa: E402
 from gpushare.node.nvsmi import parse_list, parse_query  # noqa: E402
-from gpushare.node.settings import MpsSettings  # noqa: E402
+from gpushare.node.node_settings import MpsSettings  # noqa: E402
 
 QUERY = ("nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,mig.mode.current,mig.mode.pending,compute_mode "
          "--format=csv,noheader")

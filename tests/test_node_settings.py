@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from gpushare.node.settings import MpsSettings, NodeSettings, parse_node_settings
+from gpushare.node.node_settings import MpsSettings, NodeSettings, parse_node_settings
 
 
 def test_defaults_manage_nothing():

@@ -127,6 +127,7 @@ def wide_int8(monkeypatch, request):
 def test_wide_int8_rows_do_not_depend_on_their_neighbours(monkeypatch):
     """Rows of wide prefill chunks: the same bits whatever rows come with them, tiled or not, close to the
     float32 product; the rows after them exactly the decode kernel's."""
+    from gpushare.models import int8_wide
     from gpushare.models import linear as linear_module
 
     gen = torch.Generator().manual_seed(1)
@@ -140,7 +141,7 @@ def test_wide_int8_rows_do_not_depend_on_their_neighbours(monkeypatch):
     assert torch.equal(linear(x[200:]), together[200:])  # the decode kernel's rows, as alone
     reference = x[:200] @ linear.qweight.float().mul(linear.scales[:, None]).T
     assert ((together[:200] - reference).abs().max() / reference.abs().max()).item() < 2e-2
-    monkeypatch.setattr(linear_module, "WIDE_TILE_ELEMENTS", 576 * 1000)  # three tiles and a short one
+    monkeypatch.setattr(int8_wide, "WIDE_TILE_ELEMENTS", 576 * 1000)  # three tiles and a short one
     torch.testing.assert_close(linear(x, wide_rows=200), together, rtol=0, atol=1e-6)
 
 

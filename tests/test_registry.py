@@ -383,7 +383,7 @@ def test_a_gpu_with_ecc_errors_is_marked_unhealthy_and_gets_no_new_model(two_eng
     sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
     from node_fakes import FakeNvml, h100_node_gpus
 
-    from gpushare.node.health import XidWatch
+    from gpushare.node.gpu_health import XidWatch
     from gpushare.residency.device_supervisor import DeviceSupervisor
 
     gpus = h100_node_gpus()[:2]

@@ -26,7 +26,7 @@ def _rank(rank: int, init_file: str, env: dict, ready, done) -> None:
     import torch
     import torch.distributed as dist
 
-    from gpushare.engine import tensor_parallel
+    from gpushare.engine import tp_runtime as tensor_parallel
 
     tensor_parallel.join_group(GroupSpec(rank, WORLD_SIZE, init_file, ["cpu:0", "cpu:1"]), "cpu")
     x = torch.ones(4)

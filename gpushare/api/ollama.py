@@ -18,6 +18,7 @@ import datetime as dt
 import importlib.metadata
 import json
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -177,58 +178,71 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
-        base = {"model": model}
-        token_text = TokenText(lease.model) if top_logprobs is not None else None
-
-        def reply(text: str, calls: list[dict] | None = None, thought: str | None = None) -> dict:
-            shown = {"thinking": thought} if thinks and thought is not None else {}
-            if not chat:
-                return {"response": text, **shown}
-            return {"message": {"role": "assistant", "content": text, **shown,
-                                **({"tool_calls": _tool_calls(calls)} if calls else {})}}
-
-        def logprobs(items) -> dict:
-            return {"logprobs": token_text.entries(items, top_logprobs > 0)} if token_text is not None else {}
-
-        def tail(out):
-            return [{**base, "created_at": now_rfc3339(), **reply(""), "done": True, "done_reason": out.finish_reason,
-                     **timings.ollama_fields()}]
-
+        shape = _Replies(model, chat, thinks, timings,
+                         TokenText(lease.model) if top_logprobs is not None else None, top_logprobs)
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
-                parts = ReplyStream(tools, thinks, opened)
-
-                def line(**fields) -> dict:
-                    return {**base, "created_at": now_rfc3339(), **reply(**fields), "done": False}
-
-                def lines(items) -> list[dict]:
-                    out = []
-                    for kind, value in items:
-                        if kind == "thinking":
-                            out.append(line(text="", thought=value))
-                        elif kind == "text":
-                            out.append(line(text=value))
-                        elif kind == "calls":
-                            out.append(line(text="", calls=value))
-                    return out
-
-                def piece(out):
-                    chunks = lines(parts.feed(out.text))
-                    if out.logprobs and token_text:
-                        chunks = chunks or [line(text="")]
-                        chunks[0].update(logprobs(out.logprobs))
-                    if out.finished:
-                        chunks += lines(parts.finish())
-                        if parts.calls.call is not None:  # Ollama sends a call whole: the streamed one, parsed
-                            chunks.append(line(text="", calls=parse_calls(parts.answer, tools)))
-                    return chunks
-
-                fmt = StreamFormat(sse=False, piece=piece, tail=tail, error=lambda err: {"error": err.message})
-                return await relay(request, engine_stream, timings, fmt)
+                return await relay(request, engine_stream, timings, _ndjson(shape, tools, opened))
             answer = (await collect(engine_stream, timings))[0]
             whole = whole_reply(answer.text, tools, thinks, opened)
-            return web.json_response({**tail(answer.out)[0], **reply(whole.text, whole.calls, whole.thinking),
-                                      **logprobs(answer.logprobs)})
+            return web.json_response({**shape.tail(answer.out)[0],
+                                      **shape.reply(whole.text, whole.calls, whole.thinking),
+                                      **shape.logprobs(answer.logprobs)})
+
+
+@dataclass
+class _Replies:
+    """How one generation's answers are shaped: /api/generate's ``response`` or /api/chat's ``message``,
+    with thinking, tool calls and logprobs where asked."""
+    model: str
+    chat: bool
+    thinks: bool
+    timings: Timings
+    token_text: TokenText | None
+    top_logprobs: int | None
+
+    def reply(self, text: str, calls: list[dict] | None = None, thought: str | None = None) -> dict:
+        shown = {"thinking": thought} if self.thinks and thought is not None else {}
+        if not self.chat:
+            return {"response": text, **shown}
+        return {"message": {"role": "assistant", "content": text, **shown,
+                            **({"tool_calls": _tool_calls(calls)} if calls else {})}}
+
+    def logprobs(self, items) -> dict:
+        if self.token_text is None:
+            return {}
+        return {"logprobs": self.token_text.entries(items, self.top_logprobs > 0)}
+
+    def tail(self, out) -> list[dict]:
+        return [{"model": self.model, "created_at": now_rfc3339(), **self.reply(""), "done": True,
+                 "done_reason": out.finish_reason, **self.timings.ollama_fields()}]
+
+    def line(self, **fields) -> dict:
+        return {"model": self.model, "created_at": now_rfc3339(), **self.reply(**fields), "done": False}
+
+    def lines(self, items) -> list[dict]:
+        """One NDJSON line per (kind, value) of a ReplyStream: thinking, text or tool calls."""
+        by_kind = {"thinking": lambda v: self.line(text="", thought=v), "text": lambda v: self.line(text=v),
+                   "calls": lambda v: self.line(text="", calls=v)}
+        return [by_kind[kind](value) for kind, value in items if kind in by_kind]
+
+
+def _ndjson(shape: _Replies, tools: ToolSpec, opened: bool) -> StreamFormat:
+    """Ollama's stream: a line per piece of thinking, text or tool call, then the closing line."""
+    parts = ReplyStream(tools, shape.thinks, opened)
+
+    def piece(out):
+        chunks = shape.lines(parts.feed(out.text))
+        if out.logprobs and shape.token_text:
+            chunks = chunks or [shape.line(text="")]
+            chunks[0].update(shape.logprobs(out.logprobs))
+        if out.finished:
+            chunks += shape.lines(parts.finish())
+            if parts.calls.call is not None:  # Ollama sends a call whole: the streamed one, parsed
+                chunks.append(shape.line(text="", calls=parse_calls(parts.answer, tools)))
+        return chunks
+
+    return StreamFormat(sse=False, piece=piece, tail=shape.tail, error=lambda err: {"error": err.message})
 
 
 # ---------------------------------------------------------------------------- handlers

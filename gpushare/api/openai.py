@@ -16,6 +16,7 @@ import json
 import struct
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -168,49 +169,61 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
                 "object": "chat.completion.chunk" if stream and chat else "chat.completion" if chat
                 else "text_completion",
                 "created": int(time.time()), "model": model, "system_fingerprint": FINGERPRINT}
-        token_text = TokenText(lease.model) if top_logprobs is not None else None
-        text_offsets = [0] * n  # completions' logprobs.text_offset: characters streamed so far per answer
-
-        def logprobs(index: int, items, text: str):
-            if token_text is None:
-                return None
-            if chat:
-                return {"content": token_text.entries(items), "refusal": None}
-            entry = token_text.completion(items, text_offsets[index])
-            text_offsets[index] += len(text)
-            return entry
-
-        def choice(index: int, text: str | None, finish_reason: str | None, items=None, calls=None,
-                   reasoning: str | None = None) -> dict:
-            lp = logprobs(index, items, text or "") if items is not None else None
-            if calls:
-                finish_reason = finish_reason and "tool_calls"
-            if chat and stream:
-                delta = {} if text is None else {"content": text}
-                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-            if chat:
-                message = {"role": "assistant", "content": None if calls else text}
-                if thinks:
-                    message["reasoning_content"] = reasoning
-                if calls:
-                    message["tool_calls"] = _tool_calls(calls)
-                return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
-            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
-
-        def chunk(c: dict) -> dict:
-            return {**base, "choices": [c], **({"usage": None} if include_usage else {})}
-
+        shape = _Choices(chat, stream, thinks, include_usage, base,
+                         TokenText(lease.model) if top_logprobs is not None else None, [0] * n)
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
-                return await _relay_stream(request, engine_stream, timings, chat, n, include_usage, base, chunk,
-                                           choice, [ReplyStream(tools, thinks, opened) for _ in range(n)])
+                return await _relay_stream(request, engine_stream, timings, chat, n, include_usage, base, shape.chunk,
+                                           shape.choice, [ReplyStream(tools, thinks, opened) for _ in range(n)])
             answers = await collect(engine_stream, timings)
             choices = []
             for a in answers:
                 reply = whole_reply(a.text, tools, thinks, opened)
-                choices.append(choice(a.index, None if reply.calls else reply.text, a.out.finish_reason, a.logprobs,
-                                      reply.calls, reply.thinking))
+                choices.append(shape.choice(a.index, None if reply.calls else reply.text, a.out.finish_reason,
+                                            a.logprobs, reply.calls, reply.thinking))
             return web.json_response({**base, "choices": choices, "usage": _usage([a.out for a in answers])})
+
+
+@dataclass
+class _Choices:
+    """How one completion's answers are shaped: chat messages or deltas, or completions' text, with
+    logprobs, reasoning and tool calls where asked."""
+    chat: bool
+    stream: bool
+    thinks: bool
+    include_usage: bool
+    base: dict
+    token_text: TokenText | None
+    text_offsets: list[int]  # completions' logprobs.text_offset: characters streamed so far per answer
+
+    def logprobs(self, index: int, items, text: str):
+        if self.token_text is None:
+            return None
+        if self.chat:
+            return {"content": self.token_text.entries(items), "refusal": None}
+        entry = self.token_text.completion(items, self.text_offsets[index])
+        self.text_offsets[index] += len(text)
+        return entry
+
+    def choice(self, index: int, text: str | None, finish_reason: str | None, items=None, calls=None,
+               reasoning: str | None = None) -> dict:
+        lp = self.logprobs(index, items, text or "") if items is not None else None
+        if calls:
+            finish_reason = finish_reason and "tool_calls"
+        if self.chat and self.stream:
+            delta = {} if text is None else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        if self.chat:
+            message = {"role": "assistant", "content": None if calls else text}
+            if self.thinks:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = _tool_calls(calls)
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+
+    def chunk(self, c: dict) -> dict:
+        return {**self.base, "choices": [c], **({"usage": None} if self.include_usage else {})}
 
 
 async def _relay_stream(request, engine_stream, timings, chat: bool, n: int, include_usage: bool, base: dict, chunk,

@@ -248,6 +248,24 @@ class _Pinged:
             self.next.cancel()
 
 
+def _stream_response(request: web.Request, fmt: StreamFormat) -> web.StreamResponse:
+    """The response a stream goes out on, its socket's send buffer small (a client that stops reading
+    fills it soon, and server.write_timeout then applies)."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream" if fmt.sse else "application/x-ndjson",
+                                       "Cache-Control": "no-cache"})
+
+
+def _frame(obj: dict, fmt: StreamFormat) -> bytes:
+    """One chunk on the wire: a typed SSE event, an SSE data line, or an NDJSON line."""
+    data = json.dumps(obj, ensure_ascii=False)
+    if fmt.typed_events:
+        return f"event: {obj['type']}\ndata: {data}\n\n".encode()
+    return (f"data: {data}\n\n" if fmt.sse else data + "\n").encode()
+
+
 async def relay(request: web.Request, stream: EngineStream, timings: Timings, fmt: StreamFormat) -> web.StreamResponse:
     """Stream a request's outputs to the client as they come.
 
@@ -259,19 +277,10 @@ async def relay(request: web.Request, stream: EngineStream, timings: Timings, fm
     stay full) drops the connection, and with it the tenant slot and model lease it held.
     """
     write_timeout_s = context(request).settings.server.write_timeout_s
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    if sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER_BYTES)
-    response = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream" if fmt.sse else "application/x-ndjson",
-        "Cache-Control": "no-cache",
-    })
+    response = _stream_response(request, fmt)
 
     async def send(obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False)
-        frame = f"event: {obj['type']}\ndata: {data}\n\n" if fmt.typed_events else \
-            f"data: {data}\n\n" if fmt.sse else data + "\n"
-        await asyncio.wait_for(response.write(frame.encode()), write_timeout_s)
+        await asyncio.wait_for(response.write(_frame(obj, fmt)), write_timeout_s)
 
     failed = False
     outputs = _Pinged(stream, fmt.ping is not None)

@@ -1,5 +1,5 @@
 """Tensor parallelism's split of a model: which attention heads, MLP channels and vocabulary rows
-each of N ranks holds (models/tensor_parallel.py cuts the weights to match). Torch-free: the
+each of N ranks holds (models/tp_weights.py cuts the weights to match). Torch-free: the
 daemon's supervisor checks a configured split with it before any worker starts.
 
 Heads go to ranks in whole KV groups (a KV head and the query heads that read it), as evenly as

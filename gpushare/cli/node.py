@@ -15,8 +15,9 @@ from pathlib import Path
 import yaml
 
 from gpushare.node.commands import NodeContext, apply, mps, plan, topo
-from gpushare.node.settings import parse_node_settings
-from gpushare.settings.settings import read_engine, read_tensor_parallel_models
+from gpushare.node.node_settings import parse_node_settings
+from gpushare.settings.engine_settings import read_engine
+from gpushare.settings.settings import read_tensor_parallel_models
 
 
 def add_node_parser(subparsers) -> argparse.ArgumentParser:

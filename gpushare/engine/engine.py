@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 
 from gpushare.protocol.engine_config import EngineConfig
-from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake
-from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed, run_decoder, run_encoder, take_batch
-from gpushare.engine.detokenizer import append_text, finish_reason, releasable_text
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake, refuse
+from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed
+from gpushare.engine.embed_queue import EmbedQueue
 from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
 from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.kv_cache import BlockPool
@@ -36,13 +36,14 @@ from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.resident_model import ResidentModel
-from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, KVCacheBusy, check_embed,
+from gpushare.protocol.request import (EmbedRequest, EngineFailed, GenerationRequest, check_embed,
                                        check_request, model_limits, tenant_limit_bytes)
 from gpushare.engine.request_checks import new_sequence
-from gpushare.protocol.sampling_params import SamplingFailure, SamplingParams
+from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.engine.scheduler import Scheduler
-from gpushare.engine.sequence import Sequence, Status
 from gpushare.protocol.outputs import RequestOutput
+from gpushare.engine.step_outputs import StepOutputs
+from gpushare.engine.steps import run_urgent_prompts, schedule_and_run
 from gpushare.engine.tenant_ledger import TenantLedger
 from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
 from gpushare.models.loader import return_freed_memory
@@ -56,9 +57,10 @@ class Engine:
         self.config = config or EngineConfig()
         self.models: dict[str, ResidentModel] = {}  # mutated only on the engine thread
         self.encoders: dict[str, ResidentEncoder] = {}  # encoder models (no KV cache, no scheduler)
-        self.pending_embeds: list[PendingEmbed] = []  # embed requests taken in, first come first served
-        self.requests: dict[str, Sequence] = {}
+        self.embeds = EmbedQueue()  # embed requests taken in, first come first served
         self.ledger = TenantLedger()
+        self.step_outputs = StepOutputs(self.ledger)  # requests taken in, and their outputs until the next flush
+        self.requests = self.step_outputs.requests
         self.tenant_policies: dict[str, TenantPolicy] = {}
         self.kv_pool = DeviceKVPool(self.config.kv_cache_bytes, self.config.device, self.config.kv_slab_blocks)
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device, self.config.weights)
@@ -73,7 +75,6 @@ class Engine:
         self.snapshot = EngineSnapshot(engine_stats(self), {}, self.last_tick_s, None)
         self._inbox: queue.Queue = queue.Queue()
         self._deferred: list = []  # inbox items taken during a paused step, handled after it
-        self._outputs: list[tuple[Sequence, RequestOutput]] = []  # made since the last _flush
         self._thread: threading.Thread | None = None
         self._pinned = threading.Event()
         self._stopping = False
@@ -109,7 +110,7 @@ class Engine:
                 raise ValueError(f"model {name!r} is already loaded")
             if getattr(loaded.config, "is_encoder", False):
                 self.encoders[name] = ResidentEncoder(name, loaded)
-                self._flush()
+                self.flush()
                 return
             per_block = kv_bytes_per_block(loaded.config, self.config.block_size, self.kv_dtype)
             pool = BlockPool(self.kv_pool, self.config.block_size, per_block, self.ledger, self.config.prefix_cache)
@@ -119,21 +120,22 @@ class Engine:
             runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
                                                                          self.kv_dtype))
             self.models[name] = ResidentModel(name, loaded, scheduler, runner, share_weight)
-            self._flush()  # whoever waits on add_model sees the model in the snapshot
+            self.flush()  # whoever waits on add_model sees the model in the snapshot
 
         self._run_on_engine(add)
 
     def remove_model(self, name: str) -> None:
         def remove():
-            self._fail_embeds(name, KeyError(f"model {name!r} was unloaded"))
+            self.embeds.fail(KeyError(f"model {name!r} was unloaded"), name)
             if self.encoders.pop(name, None) is not None:
-                self._flush()
+                self.flush()
                 return
             resident = self.models.pop(name)
             for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
-                self._finish(resident, seq, "abort", error=f"the request was cancelled: model {name!r} was unloaded")
+                self.step_outputs.finish(resident, seq, "abort",
+                                         error=f"the request was cancelled: model {name!r} was unloaded")
             resident.scheduler.pool.close()
-            self._flush()
+            self.flush()
 
         self._run_on_engine(remove)
 
@@ -154,7 +156,7 @@ class Engine:
             self._inbox.put(Call(fn, Future()))
         else:
             fn()
-            self._flush()
+            self.flush()
 
     def set_tenants(self, policies: list[TenantPolicy]) -> None:
         """Replace the tenant policies before the next step (live: running requests keep their blocks)."""
@@ -238,7 +240,7 @@ class Engine:
             try:
                 return fn()
             finally:
-                self._flush()
+                self.flush()
         future: Future = Future()
         self._inbox.put(Call(fn, future))
         return future.result()
@@ -256,35 +258,30 @@ class Engine:
         while not self._stopping:
             try:
                 self.last_tick_s = time.monotonic()
-                self._drain_inbox(block=self._pick_model() is None and not self.pending_embeds)
-                self._run_embed_batch()
-                self._run_urgent_prompts()
+                self._drain_inbox(block=self._pick_model() is None and not self.embeds.pending)
+                self.embeds.run_batch(self.models, self.encoders, self.config.max_num_batched_tokens)
+                run_urgent_prompts(self)
                 resident = self._pick_model()
                 if resident is not None:
-                    self._step(resident)
+                    schedule_and_run(self, resident)
                 self._shed_idle()
-                if resident is None or self._outputs:  # a step flushed already
-                    self._flush()
+                if resident is None or self.step_outputs.outputs:  # a step flushed already
+                    self.flush()
             except Exception as e:
                 log.exception("the engine loop failed; it stops and fails every pending request")
                 self._fail_everything(f"the engine stopped after an internal error ({type(e).__name__}: {e})")
                 return
 
-    def _flush(self) -> None:
-        """Publish a new snapshot, then deliver the outputs made since the last flush: whoever gets a
-        request's last output sees engine state that already includes its end. Other threads and
-        processes read only snapshots, never the engine's live state."""
+    def flush(self) -> None:
+        """On the engine thread: publish a new snapshot, then deliver the outputs made since the last
+        flush, so whoever gets a request's last output sees state that already includes its end.
+        Other threads and processes read only snapshots, never the engine's live state."""
         residents = list(self.models.values())
         self.snapshot = EngineSnapshot(engine_stats(self), tenant_stats(self.ledger, [w.scheduler for w in residents]),
                                        self.last_tick_s, self.failure)
         if self.on_snapshot is not None:
             self.on_snapshot(self.snapshot)
-        outputs, self._outputs = self._outputs, []
-        for seq, out in outputs:
-            try:
-                seq.on_output(out)
-            except Exception:  # a broken consumer must not stop the engine
-                log.exception("on_output callback failed for request %s", seq.request_id)
+        self.step_outputs.deliver()
 
     def _borrow(self, requester: Scheduler) -> bool:
         """Scheduler.borrow: preempt another model's sequence for ``requester`` (kv_sharing.py)."""
@@ -311,29 +308,16 @@ class Engine:
             self.failure = reason
         for resident in list(self.models.values()):
             for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
-                self.requests.pop(seq.request_id, None)
-                self._emit(seq, self._output(seq, [], True, "error", reason))
+                self.step_outputs.fail(seq, reason)
         for seq in list(self.requests.values()):  # taken in but never scheduled
-            self._emit(seq, self._output(seq, [], True, "error", reason))
-        self.requests.clear()
+            self.step_outputs.fail(seq, reason)
         items, self._deferred = self._deferred, []
         while not self._inbox.empty():
             items.append(self._inbox.get_nowait())
         for item in items:
-            self._fail_item(item, reason)
-        for pending in self.pending_embeds:
-            _settle(pending.future, error=EngineFailed(reason))
-        self.pending_embeds.clear()
-        self._flush()
-
-    def _fail_item(self, item, reason: str) -> None:
-        """Answer an inbox item that will not be handled: its request ends with ``reason``."""
-        if isinstance(item, AddSequence):
-            self._emit(item.seq, self._output(item.seq, [], True, "error", reason))
-        elif isinstance(item, EmbedInputs):
-            _settle(item.pending.future, error=EngineFailed(reason))
-        elif isinstance(item, Call) and not item.future.done():
-            item.future.set_exception(EngineFailed(reason))
+            refuse(item, reason, self.step_outputs)
+        self.embeds.fail(EngineFailed(reason))
+        self.flush()
 
     def _drain_inbox(self, block: bool) -> None:
         deferred, self._deferred = self._deferred, []
@@ -359,14 +343,14 @@ class Engine:
             log.exception("engine: handling a %s failed", type(item).__name__)
             if isinstance(item, AddSequence):
                 self.requests.pop(item.seq.request_id, None)
-            self._fail_item(item, f"the engine could not take this request in: {type(e).__name__}: {e}")
+            refuse(item, f"the engine could not take this request in: {type(e).__name__}: {e}", self.step_outputs)
 
     def _handle_item(self, item) -> None:
         if isinstance(item, AddSequence):
             seq = item.seq
             resident = self.models.get(seq.model_name)
             if resident is None:
-                self._emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
+                self.step_outputs.emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
                                               f"model {seq.model_name!r} was unloaded"))
                 return
             self.requests[seq.request_id] = seq
@@ -379,12 +363,11 @@ class Engine:
             seq = self.requests.get(item.request_id)
             if seq is not None and seq.model_name in self.models:
                 for answer in [seq, *seq.forks]:  # n > 1: every answer goes
-                    self._finish(self.models[seq.model_name], answer, "abort")
-            for pending in [p for p in self.pending_embeds if p.request_id == item.request_id]:
-                self.pending_embeds.remove(pending)
-                pending.future.cancel()
+                    self.step_outputs.finish(self.models[seq.model_name], answer, "abort")
+            self.embeds.cancel(item.request_id)
         elif isinstance(item, EmbedInputs):
-            self._take_embed(item.pending)
+            name = item.pending.model_name
+            self.embeds.take(item.pending, name in self.models or name in self.encoders)
         elif isinstance(item, Call):
             try:
                 item.future.set_result(item.fn())
@@ -395,52 +378,11 @@ class Engine:
         busy = [w for w in self.models.values() if w.scheduler.has_work()]
         return min(busy, key=lambda w: w.virtual_steps, default=None)
 
-    def _step(self, resident: ResidentModel) -> None:
-        try:
-            batch = resident.scheduler.schedule()
-        except Exception as e:  # this model's requests fail; other models go on
-            log.exception("engine: scheduling failed for model %s", resident.name)
-            for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
-                self._finish(resident, seq, "error", error=f"engine scheduling failed: {type(e).__name__}: {e}")
-            return
-        if batch.seqs:
-            self._run_step(resident, batch)
-
-    def _run_step(self, resident: ResidentModel, batch) -> None:
-        runner = resident.runner
-        try:
-            step = runner.begin(batch)
-            while not runner.advance(step, self._inbox_has_items):
-                self._pause()
-            sampled = runner.complete(step)
-            resident.scheduler.after_step(batch)
-            for child in step.forks:
-                self.requests[child.request_id] = child
-                resident.scheduler.adopt(child)
-        except Exception as e:  # a failed step fails its batch, never the engine
-            log.exception("engine step failed for model %s", resident.name)
-            for seq in batch.seqs:
-                for child in seq.forks:
-                    if child.request_id not in self.requests:  # forked by the failed step: take it in to end it
-                        self.requests[child.request_id] = child
-                        resident.scheduler.adopt(child)
-                for answer in [seq, *seq.forks]:
-                    self._finish(resident, answer, "error", error=f"engine step failed: {e}")
-            return
-        resident.steps += 1
-        resident.virtual_steps += 1 / resident.share_weight
-        self.steps += 1
-        resident.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
-        for seq, token in sampled:
-            self._advance_one(resident, seq, token)
-        self._flush()  # an urgent step's first token goes out now, not after the step it paused
-        if self.on_step is not None:
-            self.on_step(self)
-
-    def _inbox_has_items(self) -> bool:
+    def has_new_work(self) -> bool:
+        """On the engine thread, mid-step: whether other threads handed it something since."""
         return not self._inbox.empty()
 
-    def _pause(self) -> None:
+    def take_new_work(self) -> None:
         """Between two layers of a step: take new requests in and run urgent prompts now. Everything
         else (cancels, calls) waits for the step's end, since it could free blocks the paused step
         still writes to."""
@@ -453,115 +395,4 @@ class Engine:
                 self._handle(item)
             else:
                 self._deferred.append(item)
-        self._run_urgent_prompts()
-
-    def _run_urgent_prompts(self) -> None:
-        """Waiting prompts of tenants ahead of all running work get a step of their own. That step
-        may pause in turn; each level admits a sequence, so ``max_num_seqs`` bounds the nesting."""
-        residents = list(self.models.values())
-        waiting = {(s.fair_key, s.priority) for w in residents for s in w.scheduler.waiting}
-        if not waiting:  # the usual case in a busy loop: nothing to weigh
-            return
-        urgent = self.ledger.urgent_tenants(waiting, {(s.fair_key, s.priority) for w in residents
-                                                      for s in w.scheduler.running})
-        if not urgent:
-            return
-        for resident in residents:
-            batch = resident.scheduler.schedule_urgent(urgent)
-            if batch.seqs:
-                self._run_step(resident, batch)
-
-    def _advance_one(self, resident: ResidentModel, seq: Sequence, token: int | SamplingFailure) -> None:
-        """Give ``seq`` its new token; a failure on this sequence (sampling, text) ends it alone."""
-        if isinstance(token, SamplingFailure):
-            self._finish(resident, seq, "error", error=token.message)
-            return
-        try:
-            self._advance(resident, seq, token)
-        except Exception as e:
-            log.exception("engine: request %s failed after its step", seq.request_id)
-            self._finish(resident, seq, "error", error=f"{type(e).__name__}: {e}")
-
-    def _advance(self, resident: ResidentModel, seq: Sequence, token: int) -> None:
-        if seq.first_token_time_s is None:
-            seq.first_token_time_s = time.monotonic()
-        seq.output_ids.append(token)
-        resident.generated_tokens += 1
-        self.ledger.generated_tokens[seq.tenant] = self.ledger.generated_tokens.get(seq.tenant, 0) + 1
-        loaded = resident.loaded
-        params = seq.params
-        makes_text = token not in params.stop_token_ids and (params.ignore_eos or token not in loaded.stop_token_ids)
-        if makes_text:
-            append_text(loaded.tokenizer, seq)
-        logprobs = [seq.last_logprobs] if makes_text and seq.last_logprobs is not None else None
-        reason = finish_reason(seq, token, loaded.stop_token_ids, loaded.config.context_length)
-        if reason is not None:
-            self._finish(resident, seq, reason, last_token=token, logprobs=logprobs)
-            return
-        self._emit(seq, self._output(seq, [token], False, None, logprobs=logprobs))
-
-    def _finish(self, resident: ResidentModel, seq: Sequence, reason: str, error: str | None = None,
-                last_token: int | None = None, logprobs=None) -> None:
-        if seq.status is Status.FINISHED:
-            return
-        resident.scheduler.finish(seq)
-        self.requests.pop(seq.request_id, None)
-        self._emit(seq, self._output(seq, [] if last_token is None else [last_token], True, reason, error, logprobs))
-
-    def _output(self, seq, new_ids, finished, reason, error=None, logprobs=None) -> RequestOutput:
-        first_token = bool(new_ids) and len(seq.output_ids) == 1
-        return RequestOutput(seq.request_id, releasable_text(seq, finished), new_ids, finished, reason, error,
-                             len(seq.prompt_ids), len(seq.output_ids), seq.num_cached, seq.first_token_time_s,
-                             seq.prompt_logprobs if first_token else None, logprobs, seq.index,
-                             seq.scheduled_time_s, seq.stop_reason if finished else None)
-
-    def _emit(self, seq: Sequence, out: RequestOutput) -> None:
-        self._outputs.append((seq, out))  # delivered by the next _flush
-
-    def _take_embed(self, pending: PendingEmbed) -> None:
-        if pending.model_name not in self.models and pending.model_name not in self.encoders:
-            _settle(pending.future, error=KeyError(f"model {pending.model_name!r} is not loaded"))
-        elif not pending.inputs:
-            _settle(pending.future, result=[])
-        else:
-            self.pending_embeds.append(pending)
-
-    def _run_embed_batch(self) -> None:
-        """One batch of waiting embed inputs (embed_batch.py), at most one per loop turn."""
-        self.pending_embeds = [p for p in self.pending_embeds if not p.future.done()]  # cancelled: its client left
-        if not self.pending_embeds:
-            return
-        name = self.pending_embeds[0].model_name
-        encoder, resident = self.encoders.get(name), self.models.get(name)
-        taken = take_batch(self.pending_embeds, self.config.max_num_batched_tokens, padded=encoder is not None)
-        try:
-            if encoder is not None:
-                run_encoder(encoder, taken)
-            else:
-                run_decoder(resident.scheduler, resident.runner, taken)
-        except Exception as e:  # the batch's requests fail, never the engine
-            if not isinstance(e, KVCacheBusy):
-                log.exception("engine: an embedding batch failed for model %s", name)
-            for item, _ in taken:
-                self.pending_embeds.remove(item)
-                _settle(item.future, error=e)
-            return
-        for item, _ in taken:
-            if item.remaining == 0:
-                self.pending_embeds.remove(item)
-                _settle(item.future, result=item.results)
-
-    def _fail_embeds(self, model_name: str, error: Exception) -> None:
-        for pending in [p for p in self.pending_embeds if p.model_name == model_name]:
-            self.pending_embeds.remove(pending)
-            _settle(pending.future, error=error)
-
-
-def _settle(future: Future, result=None, error: Exception | None = None) -> None:
-    """Answer a future that its caller may have cancelled meanwhile."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+        run_urgent_prompts(self)

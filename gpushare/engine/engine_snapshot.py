@@ -22,7 +22,7 @@ def engine_stats(engine) -> EngineStats:
             tenants=_tenants_of_model(w.scheduler))
     for name, e in list(engine.encoders.items()):  # no KV: block_bytes 0 (request.model_limits)
         out.models[name] = ModelStats(blocks_total=0, block_size=engine.config.block_size, steps=e.steps,
-                                      running=sum(p.model_name == name for p in list(engine.pending_embeds)),
+                                      running=sum(p.model_name == name for p in list(engine.embeds.pending)),
                                       prompt_tokens=e.prompt_tokens)
     return out
 

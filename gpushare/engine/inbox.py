@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpushare.engine.embed_batch import PendingEmbed
+from gpushare.engine.embed_queue import settle
 from gpushare.engine.sequence import Sequence
+from gpushare.engine.step_outputs import StepOutputs
 from gpushare.protocol.messages import Cancel
+from gpushare.protocol.request import EngineFailed
 
-__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake"]
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake", "refuse"]
 
 
 @dataclass
@@ -38,3 +41,13 @@ class Call:
 @dataclass
 class Wake:
     """Nothing to do: wakes an idle loop (to stop)."""
+
+
+def refuse(item, reason: str, step_outputs: StepOutputs) -> None:
+    """Answer an inbox item that will not be handled: its request ends with ``reason``."""
+    if isinstance(item, AddSequence):
+        step_outputs.fail(item.seq, reason)
+    elif isinstance(item, EmbedInputs):
+        settle(item.pending.future, error=EngineFailed(reason))
+    elif isinstance(item, Call) and not item.future.done():
+        item.future.set_exception(EngineFailed(reason))

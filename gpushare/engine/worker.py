@@ -33,7 +33,7 @@ from gpushare.protocol import messages as m
 from gpushare.engine.engine import Engine
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
 from gpushare.engine.passing_threads import PassingThreads
-from gpushare.engine.tensor_parallel import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
+from gpushare.engine.tp_runtime import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
                                              use_all_reduce)
 from gpushare.engine.test_hooks import install_test_stall
 from gpushare.protocol.outputs import RequestOutput
@@ -213,7 +213,7 @@ def _rank_of(spec: m.WorkerSpec) -> tuple[int, int] | None:
 
 class FollowerHost:
     """A tensor-parallel rank after the first: loads and unloads its part of each model when the
-    supervisor says, and runs what the first rank broadcasts (engine/tensor_parallel.py)."""
+    supervisor says, and runs what the first rank broadcasts (engine/tp_runtime.py)."""
 
     def __init__(self, spec: m.WorkerSpec, outbox: Outbox):
         self.spec = spec

@@ -221,22 +221,17 @@ def _measure_wide() -> tuple[dict[str, float], float]:
     """Seconds per pass over the stack for each wide-row path at 128 rows; other processes' cores meanwhile."""
     import torch
 
-    from gpushare.models.linear import Linear
-    from gpushare.models.quantized import Int8Weight
+    from gpushare.models.int8_wide import int8_wide_matmul
 
     gen = torch.Generator().manual_seed(0)
-    linears = []
-    for n, k in layer_stack(stack_bytes()):
-        linear = Linear(k, n, bias=False)
-        linear.set_quantized(Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
-                                        torch.rand(n, generator=gen) / 1000), "cpu", cpu_kernel="torch")
-        linears.append(linear)
-    xs = {k: torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16() for k in {lin.in_features for lin in linears}}
+    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                (torch.rand(n, generator=gen) / 1000).bfloat16()) for n, k in layer_stack(stack_bytes())]
+    xs = {k: torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16() for k in {q.shape[1] for q, _ in weights}}
     start = _cpu_seconds()
     totals = {
-        "bfloat16": best_time_s(lambda: [lin._int8_wide(xs[lin.in_features], _WIDE_MEASURE_ROWS) for lin in linears],
-                                reps=3),
-        "int8pack": best_time_s(lambda: [torch.ops.aten._weight_int8pack_mm(xs[lin.in_features], lin.qweight,
-                                                                           lin.scales_bf16) for lin in linears], reps=3),
+        "bfloat16": best_time_s(lambda: [int8_wide_matmul(xs[q.shape[1]], q, s16, _WIDE_MEASURE_ROWS)
+                                         for q, s16 in weights], reps=3),
+        "int8pack": best_time_s(lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]], q, s16)
+                                         for q, s16 in weights], reps=3),
     }
     return totals, _others_since(start)

@@ -20,7 +20,7 @@ import torch
 
 from gpushare import kernels
 
-# A step may pause between two calls for an urgent prompt (engine._pause): at batch 1 five of
+# A step may pause between two calls for an urgent prompt (Engine.take_new_work): at batch 1 five of
 # SmolLM2's layers take ~1 ms, and six calls a step cost ~0.1 ms of wakes. Wider steps take fewer
 # layers a call, one from 32 rows on (a prompt chunk among streams), so that a pause waits about a
 # millisecond or one layer. With 1,024 rows x layers a call an urgent prompt under the 429 storm

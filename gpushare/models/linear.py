@@ -19,8 +19,6 @@ that leave every other channel of a token a few int8 steps (docs/benchmarks.md).
 Quantized tensors are registered buffers, so moving a model (the warm tier) moves them too.
 """
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +26,10 @@ from torch import nn
 from gpushare import kernels
 from gpushare.kernels import cpu_qmatmul
 from gpushare.models.cpu_kernels import quantized_kernel, wide_int8_kernel
+from gpushare.models.int8_wide import int8_wide_matmul
 from gpushare.models.quantized import Int4Weight, Int8Weight
 
 
-WIDE_TILE_ELEMENTS = 1 << 22  # a dequantized tile of an int8 weight: 8 MiB of bfloat16
-WIDE_ROW_BLOCK = 64  # rows per bfloat16 GEMM of wide prefill rows: one kernel path whatever the row count
-_wide_scratch = threading.local()  # per engine thread: the tile's buffer, reused by every call
 
 
 class Linear(nn.Module):
@@ -61,7 +57,7 @@ class Linear(nn.Module):
             if x.is_cuda:
                 y = kernels.int8_weight_matmul(x, self.qweight, self.scales)
             elif wide_rows and wide_int8_kernel() == "bfloat16":
-                y = self._int8_wide(x.to(torch.bfloat16), wide_rows).to(x.dtype)
+                y = int8_wide_matmul(x.to(torch.bfloat16), self.qweight, self.scales_bf16, wide_rows).to(x.dtype)
             else:
                 y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales_bf16)
                 y = y.to(x.dtype)
@@ -127,33 +123,6 @@ class Linear(nn.Module):
         else:
             for name in ("qweight", "scales", "mins"):
                 self.register_buffer(name, getattr(w, name).to(device), persistent=False)
-
-    def _int8_wide(self, x: torch.Tensor, wide_rows: int) -> torch.Tensor:
-        """bfloat16 ``x``'s wide rows through a bfloat16 GEMM on the weight dequantized for this call, a
-        tile of output channels at a time into the thread's scratch (a fresh multi-MB tensor per call
-        costs its page faults: 778 against 194 us for a 960 x 576 weight at 64 rows); the other rows
-        through the decode kernel. A row's result does not depend on how many rows there are: the GEMM
-        always runs on blocks of ``WIDE_ROW_BLOCK`` rows (the last one padded), since oneDNN's bfloat16
-        kernels pick their path by the row count (on an AMX CPU 16 rows gave other bits than 300)."""
-        n, k = self.qweight.shape
-        rows = x[:wide_rows]
-        padding = -wide_rows % WIDE_ROW_BLOCK
-        if padding:
-            rows = torch.cat([rows, rows.new_zeros(padding, k)])
-        tile = min(n, max(1, WIDE_TILE_ELEMENTS // k))
-        scratch = getattr(_wide_scratch, "tile", None)
-        if scratch is None or scratch.numel() < tile * k:
-            scratch = _wide_scratch.tile = torch.empty(tile * k, dtype=torch.bfloat16)
-        parts = []
-        for start in range(0, n, tile):
-            end = min(n, start + tile)
-            weight = torch.mul(self.qweight[start:end], self.scales_bf16[start:end, None],
-                               out=scratch[:(end - start) * k].view(end - start, k))
-            parts.append(torch.cat([F.linear(block, weight) for block in rows.split(WIDE_ROW_BLOCK)]))
-        wide = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:wide_rows]
-        if wide_rows == x.shape[0]:
-            return wide
-        return torch.cat([wide, torch.ops.aten._weight_int8pack_mm(x[wide_rows:], self.qweight, self.scales_bf16)])
 
     def dequantized_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` of the weight in ``dtype``: the embedding lookup of a tied int8 matrix."""

@@ -216,7 +216,7 @@ class DecoderLayer(nn.Module):
             self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.local_rope = bool(config.rope_theta_local and self.self_attn.window)
-        self.reduce = None  # tensor parallel: sums the ranks' partial block outputs (models/tensor_parallel.py)
+        self.reduce = None  # tensor parallel: sums the ranks' partial block outputs (models/tp_weights.py)
 
     def forward(self, x, state: "ForwardState", kv_cache):
         cos, sin = (state.cos_local, state.sin_local) if self.local_rope else (state.cos, state.sin)

@@ -21,7 +21,7 @@ from gpushare.models.llama import build_model, weight_bytes
 from gpushare.catalog.model_head import (DTYPE_NAMES, LoadedModel, gguf_info, gguf_text_side, hf_info, hf_text_side,
                                         matrix_types)
 from gpushare.models.quantized import quantize
-from gpushare.models.tensor_parallel import shard_state
+from gpushare.models.tp_weights import shard_state
 from gpushare.catalog.tensor_split import rank_config, split_model
 from gpushare.protocol.weight_format import resolve_weights, target_of
 
@@ -95,7 +95,7 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
 
     ``dtype``: activations and KV cache; ``weights``: the weight format (weight_format.WEIGHT_FORMATS).
     ``progress(done_bytes, total_bytes)`` reports reading and converting (the slow part).
-    ``tensor_parallel``: (rank, world size): build only that rank's part (models/tensor_parallel.py);
+    ``tensor_parallel``: (rank, world size): build only that rank's part (models/tp_weights.py);
     its ``config`` then has the rank's heads and MLP channels. The whole file is read first.
     """
     torch_dtype = resolve_dtype(dtype)

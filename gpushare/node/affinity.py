@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from gpushare.node.settings import NodeSettings
+from gpushare.node.node_settings import NodeSettings
 from gpushare.node.topology import Core, Topology, format_cpulist
 
 

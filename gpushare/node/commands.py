@@ -23,7 +23,7 @@ from gpushare.node.devices import WorkerPlanSet, plan_workers
 from gpushare.node.gpu import NvmlReport, engine_targets, read_gpus
 from gpushare.node.gpu_links import GpuLinks, read_gpu_links
 from gpushare.node.runner import NodeError, SubprocessRunner
-from gpushare.node.settings import NodeSettings
+from gpushare.node.node_settings import NodeSettings
 from gpushare.node.topology import Topology, format_cpulist, read_topology
 from gpushare.node.tp_groups import TPGroupPlan, plan_tp_groups
 

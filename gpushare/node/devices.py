@@ -29,7 +29,7 @@ from gpushare.node.affinity import (AFFINITY_NOTE, SHARED_NOTE, SIBLINGS_NOTE, E
                                     spare_cpus)
 from gpushare.node.gpu import Gpu, MigDevice, NvmlReport, compute_devices
 from gpushare.node.mps import MpsTarget
-from gpushare.node.settings import NodeSettings
+from gpushare.node.node_settings import NodeSettings
 from gpushare.node.topology import Topology, format_cpulist, parse_cpulist
 
 ACCEPTED = "'cuda:N', a GPU UUID (GPU-...), a MIG UUID (MIG-...), 'cpu' or 'cpu:CPULIST' (e.g. cpu:0-3,8)"

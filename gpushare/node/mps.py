@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from gpushare.node.nvsmi import NVIDIA_SMI, GpuRow, ListedGpu, read_gpu_rows, read_listed_gpus
 from gpushare.node.runner import Command, CommandResult, NodeError
-from gpushare.node.settings import MpsSettings
+from gpushare.node.node_settings import MpsSettings
 
 CONTROL = "nvidia-cuda-mps-control"
 NO_DAEMON = "Cannot find MPS control daemon process"

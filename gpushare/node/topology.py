@@ -165,48 +165,11 @@ def read_topology(root: str | Path = "/") -> Topology:
     root = Path(root)
     cpu_dir = root / "sys/devices/system/cpu"
     notes: list[str] = []
-    listed = _read_cpus(cpu_dir / "online")
-    if listed is None:
-        listed = sorted(int(m.group(1)) for p in _children(cpu_dir) if (m := re.fullmatch(r"cpu(\d+)", p.name)))
-    cpus = [cpu for cpu in listed if (cpu_dir / f"cpu{cpu}" / "topology").is_dir()]
-    if not cpus:
-        cpus = listed or list(range(os.cpu_count() or 1))
-        notes.append(f"no CPU topology under {cpu_dir}: each CPU is treated as its own core")
-    online = set(cpus)
-
-    siblings: dict[int, list[int]] = {}
-    smt_known = False
-    for cpu in cpus:
-        topo = cpu_dir / f"cpu{cpu}" / "topology"
-        found = _read_cpus(topo / "core_cpus_list", topo / "core_cpus")
-        if found is None:
-            found = _read_cpus(topo / "thread_siblings_list", topo / "thread_siblings")
-        smt_known |= found is not None
-        siblings[cpu] = sorted((set(found or []) & online) | {cpu})
-    if not smt_known:
-        notes.append("no SMT sibling lists in sysfs: every CPU is treated as its own core")
-
-    l3_domains: list[list[int]] = []
-    for cpu in cpus:
-        for index in sorted(_children(cpu_dir / f"cpu{cpu}" / "cache")):
-            if _read(index / "level") != "3":
-                continue
-            shared = _read_cpus(index / "shared_cpu_list", index / "shared_cpu_map")
-            domain = sorted((set(shared or []) & online) | {cpu})
-            if domain not in l3_domains:
-                l3_domains.append(domain)
-    l3_domains.sort()
+    cpus = _online_cpus(cpu_dir, notes)
+    siblings, smt_known = _smt_siblings(cpu_dir, cpus, notes)
+    l3_domains = _l3_domains(cpu_dir, cpus)
     l3_of = {cpu: i for i, domain in enumerate(l3_domains) for cpu in domain}
-
-    numa_nodes: dict[int, list[int]] = {}
-    for node_dir in _children(root / "sys/devices/system/node"):
-        match = re.fullmatch(r"node(\d+)", node_dir.name)
-        members = _read_cpus(node_dir / "cpulist", node_dir / "cpumap") if match else None
-        if members and set(members) & online:
-            numa_nodes[int(match.group(1))] = sorted(set(members) & online)
-    numa_nodes = dict(sorted(numa_nodes.items()))
-    if not numa_nodes:
-        notes.append("no NUMA information in sysfs: all CPUs are treated as one node")
+    numa_nodes = _numa_nodes(root, set(cpus), notes)
     node_of = {cpu: node for node, members in numa_nodes.items() for cpu in members}
 
     freqs = {cpu: _read_int(cpu_dir / f"cpu{cpu}" / "cpufreq" / "cpuinfo_max_freq") for cpu in cpus}
@@ -232,6 +195,63 @@ def read_topology(root: str | Path = "/") -> Topology:
             gpus.append(read_pci_device(root, path.name, cpus))
     return Topology(root, cpus, cores, dict(sorted(packages.items())), numa_nodes, l3_domains,
                     kind_source, kinds_known, smt_known, gpus, notes)
+
+
+def _online_cpus(cpu_dir: Path, notes: list[str]) -> list[int]:
+    """The online CPUs that have a topology folder (all listed ones if none has: a note says so)."""
+    listed = _read_cpus(cpu_dir / "online")
+    if listed is None:
+        listed = sorted(int(m.group(1)) for p in _children(cpu_dir) if (m := re.fullmatch(r"cpu(\d+)", p.name)))
+    cpus = [cpu for cpu in listed if (cpu_dir / f"cpu{cpu}" / "topology").is_dir()]
+    if not cpus:
+        cpus = listed or list(range(os.cpu_count() or 1))
+        notes.append(f"no CPU topology under {cpu_dir}: each CPU is treated as its own core")
+    return cpus
+
+
+def _smt_siblings(cpu_dir: Path, cpus: list[int], notes: list[str]) -> tuple[dict[int, list[int]], bool]:
+    """Each CPU's SMT siblings among ``cpus``, itself included; whether sysfs listed any."""
+    online = set(cpus)
+    siblings: dict[int, list[int]] = {}
+    smt_known = False
+    for cpu in cpus:
+        topo = cpu_dir / f"cpu{cpu}" / "topology"
+        found = _read_cpus(topo / "core_cpus_list", topo / "core_cpus")
+        if found is None:
+            found = _read_cpus(topo / "thread_siblings_list", topo / "thread_siblings")
+        smt_known |= found is not None
+        siblings[cpu] = sorted((set(found or []) & online) | {cpu})
+    if not smt_known:
+        notes.append("no SMT sibling lists in sysfs: every CPU is treated as its own core")
+    return siblings, smt_known
+
+
+def _l3_domains(cpu_dir: Path, cpus: list[int]) -> list[list[int]]:
+    """The sets of ``cpus`` that share a last-level (L3) cache, sorted."""
+    online = set(cpus)
+    domains: list[list[int]] = []
+    for cpu in cpus:
+        for index in sorted(_children(cpu_dir / f"cpu{cpu}" / "cache")):
+            if _read(index / "level") != "3":
+                continue
+            shared = _read_cpus(index / "shared_cpu_list", index / "shared_cpu_map")
+            domain = sorted((set(shared or []) & online) | {cpu})
+            if domain not in domains:
+                domains.append(domain)
+    return sorted(domains)
+
+
+def _numa_nodes(root: Path, online: set[int], notes: list[str]) -> dict[int, list[int]]:
+    """NUMA node -> its online CPUs (empty, with a note, where sysfs has no node folders)."""
+    nodes: dict[int, list[int]] = {}
+    for node_dir in _children(root / "sys/devices/system/node"):
+        match = re.fullmatch(r"node(\d+)", node_dir.name)
+        members = _read_cpus(node_dir / "cpulist", node_dir / "cpumap") if match else None
+        if members and set(members) & online:
+            nodes[int(match.group(1))] = sorted(set(members) & online)
+    if not nodes:
+        notes.append("no NUMA information in sysfs: all CPUs are treated as one node")
+    return dict(sorted(nodes.items()))
 
 
 def _children(path: Path) -> list[Path]:

@@ -20,7 +20,7 @@ from gpushare.protocol.tenant_policy import TenantPolicy
 
 @dataclass
 class GroupSpec:
-    """One rank's place in its tensor-parallel group (engine/tensor_parallel.py)."""
+    """One rank's place in its tensor-parallel group (engine/tp_runtime.py)."""
 
     rank: int
     world_size: int
@@ -32,7 +32,7 @@ class GroupSpec:
 class WorkerSpec:
     name: str  # the device, as engine.devices names it ("cpu:0", "cuda:1", "MIG-...")
     config: EngineConfig  # its cpus and num_threads pin the engine thread and torch's pool
-    group: GroupSpec | None = None  # a rank of a tensor-parallel group (engine/tensor_parallel.py)
+    group: GroupSpec | None = None  # a rank of a tensor-parallel group (engine/tp_runtime.py)
 
 
 @dataclass

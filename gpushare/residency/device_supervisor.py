@@ -6,7 +6,7 @@ is marked unhealthy, the registry forgets the models it held, and the worker is 
 after a back-off (1 s, doubling up to 30 s while it keeps dying within a minute of starting).
 Once back, it gets the tenant policies again and the preload/pinned models that belong to it;
 other models reload on demand. GPU devices are also checked with NVML every few seconds (ECC
-errors, retired pages, Xid events: node/health.py): an unhealthy GPU gets no new models.
+errors, retired pages, Xid events: node/gpu_health.py): an unhealthy GPU gets no new models.
 Runs on the daemon's event loop; worker starts block in threads.
 """
 
@@ -108,7 +108,7 @@ class DeviceSupervisor:
 
     # ---- NVML health ----------------------------------------------------------------------
     async def _check_health(self) -> None:
-        from gpushare.node.health import XidWatch
+        from gpushare.node.gpu_health import XidWatch
 
         uuids = sorted({uuid for uuid in self.gpu_uuids.values() if uuid})
         xids = await asyncio.to_thread(XidWatch, uuids, self.nvml)
@@ -120,9 +120,9 @@ class DeviceSupervisor:
             xids.close()
 
     async def check_health(self, xids) -> None:
-        """Read each GPU device's health once (node/health.py); a faulty one is marked unhealthy, so
+        """Read each GPU device's health once (node/gpu_health.py); a faulty one is marked unhealthy, so
         placement puts no new model on it. It stays so: faults like these need a GPU reset."""
-        from gpushare.node.health import read_health
+        from gpushare.node.gpu_health import read_health
 
         await asyncio.to_thread(xids.poll)
         for name, uuid in self.gpu_uuids.items():

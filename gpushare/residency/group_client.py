@@ -6,7 +6,7 @@ snapshots go to the first rank, whose engine schedules for the whole group; load
 rank at once (each builds its part of the model) and the model is in only when all have it;
 unloads go to the first rank first, so no step for the model is still to come when the other
 ranks drop it. When any rank dies the others are killed and the supervisor restarts the group as
-one, with a fresh rendezvous file (engine/tensor_parallel.py).
+one, with a fresh rendezvous file (engine/tp_runtime.py).
 """
 
 from __future__ import annotations

@@ -224,8 +224,7 @@ class Residency:
                 raise
 
     def grow_replicas(self, source: ModelSource) -> None:
-        """Start loading one more copy of `source` in the background when it has fewer than
-        `source.replicas` and a device without one is left."""
+        """Load one more copy of `source` in the background while it has under `source.replicas` (and a device is free)."""
         job_key = f"{source.name}@replica"
         if len(self.copies(source.name)) >= source.replicas or job_key in self.jobs or self.closing:
             return

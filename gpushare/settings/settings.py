@@ -10,7 +10,6 @@ in the models directory and Ollama's store.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import re
@@ -20,10 +19,10 @@ from typing import Any
 
 import yaml
 
+from gpushare.settings.engine_settings import WEIGHTS, EngineSettings, read_engine
 from gpushare.settings.environment import apply_environment, ollama_stores
 from gpushare.settings.values import (DEFAULT_PORT, ConfigError, choice, described, expect_mapping, non_negative_int,
                                     parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
-from gpushare.protocol.engine_config import KV_DTYPES
 from gpushare.settings.limit_settings import LimitSettings, read_limits
 from gpushare.settings.model_options import OptionError, options_from_json
 from gpushare.settings.tensor_parallel_settings import read_tensor_parallel
@@ -34,9 +33,6 @@ DEFAULT_KEEP_ALIVE_S = 300.0
 DEFAULT_MODELS_DIR = "~/.local/share/gpushare/models"
 BUNDLED_MODEL_NAME = "smollm2:135m"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-WEIGHTS = ("auto", "int8", "int4", "bfloat16", "float16", "float32")  # as gpushare.protocol.weight_format
-DEVICES = ("auto", "cpu", "cuda")
 TENSOR_PARALLEL_KEYS = ("tensor_parallel", "tensor_parallel_devices", "tensor_parallel_cross_numa")
 
 
@@ -73,20 +69,6 @@ class ModelEntry:
 
 
 @dataclass
-class EngineSettings:
-    dtype: str = "auto"  # activations; auto: bfloat16 on CUDA, float32 on CPU
-    weights: str = "auto"  # weight format; auto: int4 for 4-bit files, int8 for other quantized ones (weight_format.py)
-    device: str = "auto"  # auto: cuda when torch is a CUDA build and NVML sees a GPU, else cpu (devices=None only)
-    devices: list[str] | None = None  # engine workers: cuda:N, GPU-/MIG- uuids, cpu, cpu:LIST; None: auto
-    isolation: str = "process"  # each device's engine in a worker process | "thread": in the daemon
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_threads: int | None = None  # torch threads for the engine; None: torch's choice
-    kv_dtype: str = "auto"  # KV cache storage; auto: bfloat16, float32 for float32 weights on CPU (engine_config.kv_dtype_name)
-
-
-@dataclass
 class MemorySettings:
     budget_bytes: int | None = None  # weights + KV of all loaded models; None: from the device (registry)
     kv_budget_bytes: int = 2 << 30  # the engine's KV pool, which every loaded model grows into as it needs
@@ -102,7 +84,7 @@ class Settings:
     ollama_models: list[Path] = field(default_factory=list)  # Ollama stores read as model sources (read-only)
     engine: EngineSettings = field(default_factory=EngineSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
-    node: Any = None  # gpushare.node.settings.NodeSettings
+    node: Any = None  # gpushare.node.node_settings.NodeSettings
     tenants: list[TenantSettings] = field(default_factory=list)  # empty: one keyless tenant, "default"
     prefix_cache_scope: str = "tenant"  # which requests may share cached prefix blocks
     limits: LimitSettings = field(default_factory=LimitSettings)  # bounds on one request
@@ -222,29 +204,6 @@ def read_tensor_parallel_models(raw: Any, engine: EngineSettings) -> list[ModelE
     return entries
 
 
-def _read_devices(raw: Any) -> list[str] | None:
-    from gpushare.node.devices import parse_device
-
-    if raw == "auto":
-        return None
-    if not isinstance(raw, list) or not raw:
-        raise ConfigError(f"engine.devices: must be auto or a non-empty list of devices, got {described(raw)}")
-    taken: dict[int, str] = {}  # CPU -> the cpu:LIST entry holding it
-    for i, text in enumerate(raw):
-        key = f"engine.devices[{i}]"
-        try:
-            entry = parse_device(text)
-        except ValueError as e:
-            raise ConfigError(f"{key}: {e}") from None
-        if text in raw[:i]:
-            raise ConfigError(f"{key}: {text!r} is listed twice")
-        for cpu in entry.cpus or ():
-            if cpu in taken:
-                raise ConfigError(f"{key}: CPU {cpu} is in {taken[cpu]} too; two workers cannot own one CPU")
-            taken[cpu] = text
-    return list(raw)
-
-
 def _model_device(raw: Any, engine: EngineSettings, key: str) -> str | None:
     from gpushare.node.devices import parse_device
 
@@ -259,34 +218,6 @@ def _model_device(raw: Any, engine: EngineSettings, key: str) -> str | None:
     if engine.devices is None and engine.device != "auto" and (entry.kind == "cpu") != (engine.device == "cpu"):
         raise ConfigError(f"{key}.device: {raw!r} cannot run with engine.device {engine.device}")
     return raw
-
-
-def read_engine(raw: Any) -> EngineSettings:
-    """The `engine:` section alone (gpushare node plan reads its devices)."""
-    d = expect_mapping(raw, "engine")
-    reject_unknown(d, {f.name for f in dataclasses.fields(EngineSettings)}, "engine.")
-    e = EngineSettings()
-    if "dtype" in d:
-        e.dtype = choice(d["dtype"], DTYPES, "engine.dtype")
-    if "weights" in d:
-        e.weights = choice(d["weights"], WEIGHTS, "engine.weights")
-    if "device" in d:
-        e.device = choice(d["device"], DEVICES, "engine.device")
-    if "devices" in d:
-        e.devices = _read_devices(d["devices"])
-    if "isolation" in d:
-        e.isolation = choice(d["isolation"], ("process", "thread"), "engine.isolation")
-    if "kv_dtype" in d:
-        e.kv_dtype = choice(d["kv_dtype"], KV_DTYPES, "engine.kv_dtype")
-        if e.kv_dtype == "float16" and e.device == "cpu":
-            raise ConfigError("engine.kv_dtype: float16 is for GPUs; with engine.device cpu use bfloat16, int8 or float32")
-        if e.kv_dtype == "int8" and e.device == "cuda":
-            raise ConfigError("engine.kv_dtype: int8 runs on the CPU only; with engine.device cuda use bfloat16, "
-                              "float16 or float32")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_threads"):
-        if d.get(name) is not None:
-            setattr(e, name, positive_int(d[name], f"engine.{name}"))
-    return e
 
 
 def _read_memory(raw: Any) -> MemorySettings:
@@ -310,7 +241,7 @@ def _read_memory(raw: Any) -> MemorySettings:
 
 
 def _read_node(raw: Any) -> Any:
-    from gpushare.node.settings import parse_node_settings
+    from gpushare.node.node_settings import parse_node_settings
 
     try:
         return parse_node_settings(raw)

@@ -2,7 +2,7 @@
 the others what to run, and the loop the other ranks run.
 
 Every rank is an engine worker process (engine/worker.py) on its own device. The supervisor loads
-and unloads a model on every rank (each builds its part: models/tensor_parallel.py); the first
+and unloads a model on every rank (each builds its part: models/tp_weights.py); the first
 rank alone runs an Engine (scheduler, paged KV bookkeeping, sampling). Each forward pass it runs,
 it first broadcasts (``Forward``: the model's name, token ids, positions and attention layout),
 then every rank runs the same layers, meeting in the all-reduce after each attention and MLP
