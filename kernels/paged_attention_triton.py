@@ -163,12 +163,8 @@ def _decode_segment_kernel(
     for start in range(seg_start, seg_end, TILE):
         tokens = start + tl.arange(0, TILE)
         tok_ok = tokens < seg_end
-        blocks = tl.load(table + tokens // block_size, mask=tok_ok, other=0).to(tl.int64)
-        row_off = blocks * stride_cb + (tokens % block_size) * stride_cs + kv_head * stride_ch
-        kv_off = row_off[:, None] + dims[None, :]
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, tokens, tok_ok, dims, dim_ok, block_size, kv_head,
+                        stride_cb, stride_cs, stride_ch)
         s = _scores(q, k, scale, softcap, PRECISION, SOFTCAP)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
