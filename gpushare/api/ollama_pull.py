@@ -24,6 +24,7 @@ from gpushare.api.fields import field, read_json_object
 from gpushare.api.tenants import check_admin
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_store import StoreError
+from gpushare.catalog.low_priority import run_low
 from gpushare.catalog.names import BadName, parse_name
 from gpushare.catalog.pull import Pull, PullError
 
@@ -135,7 +136,7 @@ async def post_blob(request: web.Request) -> web.Response:
             raise StoreError(f"cannot store the blob in {root}: {e.strerror}") from None
         finally:
             os.close(fd)
-        await asyncio.to_thread(blob_store.commit_partial, root, digest)
+        await run_low(blob_store.commit_partial, root, digest)
     except StoreError as e:
         raise bad_request(str(e)) from None
     except BaseException:  # the client left mid-upload: nothing of it stays

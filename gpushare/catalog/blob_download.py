@@ -7,7 +7,7 @@ doubles up to MAX_BACKOFF_S, and MAX_RETRIES failures in a row without a byte en
 How much of each range is written is saved (blob_store.Partial) every SAVE_EVERY_S, so a
 daemon that restarts resumes too. The bytes are written at their offsets with `pwrite`:
 page-cache writes of at most CHUNK_BYTES, cheap enough for the event loop; hashing the
-whole blob runs in a thread. A full disk ends the pull, deleting the partial.
+whole blob runs in a lowest-priority thread (low_priority.py). A full disk ends the pull, deleting the partial.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import aiohttp
 
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_store import Partial, StoreError
+from gpushare.catalog.low_priority import run_low
 from gpushare.catalog.registry_client import Remote, RegistryError, open_blob
 
 PART_MIN_BYTES = 16 << 20
@@ -142,6 +143,7 @@ async def download(remote: Remote, root: Path, digest: str, progress: LayerProgr
 
 
 async def commit(root: Path, digest: str, size: int) -> None:
-    """Check the downloaded partial's SHA-256 and make it the blob (in a thread: hashing takes a while)."""
+    """Check the downloaded partial's SHA-256 and make it the blob (in a lowest-priority thread:
+    hashing takes a while, and the engines come first)."""
     if not blob_store.has_blob(root, digest, size):
-        await asyncio.to_thread(blob_store.commit_partial, root, digest)
+        await run_low(blob_store.commit_partial, root, digest)

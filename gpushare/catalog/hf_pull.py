@@ -21,6 +21,7 @@ from pathlib import Path
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_download import LayerProgress
 from gpushare.catalog.blob_store import DigestMismatch
+from gpushare.catalog.low_priority import run_low
 from gpushare.catalog.registry_client import RegistryError
 from gpushare.catalog.ollama_store import FOLDER_MEDIA_TYPE as FOLDER_MEDIA
 
@@ -60,7 +61,7 @@ async def _fetch_file(pull, staging: Path, revision: str, sibling, layer: LayerP
     from huggingface_hub import hf_hub_download
 
     name = pull.name
-    job = asyncio.ensure_future(asyncio.to_thread(
+    job = asyncio.ensure_future(run_low(
         hf_hub_download, name.repository, sibling.rfilename, revision=revision, endpoint=name.base_url,
         token=name.token or False, local_dir=staging))
     incomplete = staging / ".cache" / "huggingface" / "download"
@@ -101,7 +102,7 @@ async def pull_folder(pull, root: Path, not_gguf: RegistryError) -> None:
     pull.step("verifying sha256 digest")
     digests = {}
     for filename, path in fetched.items():
-        digests[filename] = await asyncio.to_thread(_store_file, root, path, expected[filename])
+        digests[filename] = await run_low(_store_file, root, path, expected[filename])
     pull.step("writing manifest")
     config = json.dumps({"model_format": "safetensors", "repository": pull.name.repository,
                          "revision": revision, "files": digests}, sort_keys=True).encode()
