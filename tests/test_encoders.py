@@ -12,6 +12,7 @@ from encoder_models import (DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cro
                             xlm_roberta_embedder)
 
 from gpushare.engine.embed_batch import PendingEmbed, take_batch
+from gpushare.engine.embed_queue import budget_tokens
 from gpushare.engine.engine import Engine
 from gpushare.protocol.engine_config import EngineConfig
 from gpushare.protocol.request import EmbedRequest
@@ -143,6 +144,15 @@ def test_batches_fit_the_token_budget_first_come_first_served():
     assert [(item is a, n) for item, n in take_batch([a, b, c], 64, padded=True)] == [(True, 2)]  # 3 x 30 > 64
     assert [(item, n) for item, n in take_batch([a, b, c], 65, padded=False)] == [(a, 3), (b, 1)]  # c: another model
     assert [(item, n) for item, n in take_batch([_pending([500]), a], 64, padded=True)][0][1] == 1  # one always
+
+
+def test_beside_generating_streams_a_batch_takes_a_quarter_of_their_step():
+    """Sized by time while streams generate: a quarter of 13 ms steps at 0.25 ms per token is 13 tokens."""
+    assert budget_tokens(2048, None, 0.00025) == 2048  # nothing generating: the whole token budget
+    assert budget_tokens(2048, 0.013, 0.00025) == 13
+    assert budget_tokens(2048, 0.013, None) == 64  # not measured yet: a small first batch measures it
+    assert budget_tokens(2048, 0.013, 1.0) == 1  # a slow model still moves on, an input a batch
+    assert budget_tokens(16, 10.0, 0.00025) == 16  # a long step never lifts the token budget
 
 
 def test_an_embedding_flood_never_holds_a_generating_stream_back_more_than_one_batch(bert, llm):

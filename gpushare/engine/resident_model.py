@@ -18,3 +18,4 @@ class ResidentModel:
     virtual_steps: float = 0.0  # steps / share_weight, lifted when the model turns busy (fairness)
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    last_step_s: float = 0.0  # how long its latest generation step took (embed batches are sized by it)

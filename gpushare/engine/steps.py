@@ -6,6 +6,7 @@ failed step its batch, never the engine. Functions of the ``Engine`` whose threa
 """
 
 import logging
+import time
 
 from gpushare.engine.resident_model import ResidentModel
 
@@ -27,11 +28,13 @@ def schedule_and_run(engine, resident: ResidentModel) -> None:
 
 def run_step(engine, resident: ResidentModel, batch) -> None:
     runner = resident.runner
+    start_s = time.perf_counter()
     try:
         step = runner.begin(batch)
         while not runner.advance(step, engine.has_new_work):
             engine.take_new_work()
         sampled = runner.complete(step)
+        resident.last_step_s = time.perf_counter() - start_s
         resident.scheduler.after_step(batch)
         for child in step.forks:
             engine.requests[child.request_id] = child
