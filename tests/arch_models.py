@@ -58,12 +58,15 @@ def _configs(vocab: int) -> dict:
 ARCHS = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3")
 
 
-def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0) -> str:
-    """A random ``arch`` model in ``folder`` (config.json, model.safetensors, SmolLM2's tokenizer)."""
+def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0, **config_changes) -> str:
+    """A random ``arch`` model in ``folder`` (config.json, model.safetensors, SmolLM2's tokenizer);
+    ``config_changes`` set on its config (``tie_word_embeddings=False``)."""
     from transformers import AutoModelForCausalLM
 
     meta, _ = read_gguf_file(tokenizer_gguf)
     config = _configs(len(meta["tokenizer.ggml.tokens"]))[arch]()
+    for name, value in config_changes.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = _perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     model.save_pretrained(folder)
@@ -135,9 +138,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> str:
+def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None, yes_no: tuple[int, int] | None = None) -> str:
     """Convert the model in ``folder`` to a GGUF at ``path``; ``quantize(name, array)`` may return
-    ``(block bytes [rows, bytes per row], GGML type)`` for a tensor, else None: stored as float32."""
+    ``(block bytes [rows, bytes per row], GGML type)`` for a tensor, else None: stored as float32.
+    ``yes_no``: the (yes, no) token ids of an LLM reranker, written as llama.cpp converts Qwen3-Reranker:
+    pooling_type 4, labels [yes, no], and ``cls.output`` (the LM head's yes and no rows) for the LM head."""
     import gguf
     from safetensors.torch import load_file
 
@@ -155,6 +160,12 @@ def hf_to_gguf(folder: str, path: str, tokenizer_gguf: str, quantize=None) -> st
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(rope, raw))
+    if yes_no:
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        head = state.pop("lm_head.weight", None)
+        head = state["model.embed_tokens.weight"] if head is None else head
+        writer.add_tensor("cls.output.weight", head[list(yes_no)].float().numpy())
     for name, tensor in state.items():
         if gguf_arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = raw["num_attention_heads"] if "q_proj" in name else raw["num_key_value_heads"]

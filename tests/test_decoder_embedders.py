@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_models import hf_to_gguf, save_hf_model
 from encoder_models import DOCUMENTS, QUERY, TEXTS, WORDS, cosines, oracle_vectors, write_sentence_transformer
 
 from gpushare.engine.engine import Engine
@@ -72,11 +73,12 @@ def test_a_last_token_embedding_model_equals_sentence_transformers(tmp_path, eng
     assert min(cosines(vectors, oracle_vectors(path, TEXTS))) > 1 - 1e-5
 
 
-def model_card_scores(path: Path, query: str, documents: list[str]) -> list[float]:
-    """Qwen3-Reranker's model card recipe with transformers: P(yes) over {yes, no} at the last token."""
+def model_card_scores(path: Path, query: str, documents: list[str], tokenizer=None) -> list[float]:
+    """Qwen3-Reranker's model card recipe with transformers: P(yes) over {yes, no} at the last token;
+    ``tokenizer`` (default: AutoTokenizer's for ``path``) to tokenise with."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     prefix = tokenizer.encode(_PREFIX, add_special_tokens=False)
     suffix = tokenizer.encode(_SUFFIX, add_special_tokens=False)
@@ -109,9 +111,35 @@ def test_a_yes_no_llm_reranker_scores_as_its_model_card(tmp_path, engine):
     assert scores == pytest.approx(model_card_scores(path, QUERY, DOCUMENTS), abs=1e-5)
 
 
-def test_a_decoder_gguf_marked_rank_is_refused_by_name():
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gguf_llm_reranker_scores_as_its_model_card(tmp_path, engine, smollm2_path, tied):
+    """Qwen3-Reranker as llama.cpp converts it (cls.output holds the LM head's yes and no rows; the LM
+    head itself is left out): the scores equal transformers' on the Hugging Face model it came from."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "qwen3-rerank"
+    save_hf_model("qwen3", str(folder), smollm2_path, tie_word_embeddings=tied)
+    # SmolLM2's tokenizer, which the GGUF carries (AutoTokenizer would take Qwen2's pre-tokenizer, from
+    # config.json's model type, and split "\n\n</think>" otherwise).
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    yes_no = (tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no"))
+    path = hf_to_gguf(str(folder), str(tmp_path / "rerank.gguf"), smollm2_path, yes_no=yes_no)
+    loaded = load_model(path, weights="float32")
+    assert loaded.kind == "rerank"
+    engine.add_model("rerank-gguf", loaded)
+    pairs = [loaded.pair_input(QUERY, d, 256) for d in DOCUMENTS]
+    scores = engine.embed(EmbedRequest("rerank-gguf", [ids for ids, _ in pairs], task="score")).result(timeout=120)
+    engine.remove_model("rerank-gguf")
+    expected = model_card_scores(folder, QUERY, DOCUMENTS, tokenizer)
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert sorted(range(len(scores)), key=scores.__getitem__) == sorted(range(len(expected)), key=expected.__getitem__)
+
+
+def test_a_decoder_gguf_marked_rank_without_yes_no_labels_is_refused_by_name():
     from gpushare.catalog.pooling import pooling_from_gguf
 
-    with pytest.raises(ValueError, match="LLM reranker in GGUF"):
+    with pytest.raises(ValueError, match=r"qwen3.classifier.output_labels \["):
         pooling_from_gguf({"general.architecture": "qwen3", "qwen3.pooling_type": 4})
+    assert pooling_from_gguf({"general.architecture": "qwen3", "qwen3.pooling_type": 4,
+                              "qwen3.classifier.output_labels": ["yes", "no"]}).mode == "rank"
     assert pooling_from_gguf({"general.architecture": "qwen3", "qwen3.pooling_type": 3}).mode == "last"

@@ -67,6 +67,9 @@ class ModelConfig:
     layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window in tokens, 0 = global
     rope_theta_local: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
     lm_head_rows: int | None = None  # tensor parallel: this rank's slice of the vocabulary; None: all of it
+    # The LM head holds the "yes" and "no" rows only, in that order: a GGUF LLM reranker's cls.output, as
+    # llama.cpp's converter writes Qwen3-Reranker (pooling_type 4, classifier.output_labels [yes, no]).
+    yes_no_head: bool = False
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -166,6 +169,8 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     if arch == "gemma3":
         features["rope_theta_local"] = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
     window = meta.get(f"{arch}.attention.sliding_window")
+    if is_yes_no_reranker(meta):
+        features.update(yes_no_head=True, lm_head_rows=2)
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -184,6 +189,13 @@ def config_from_gguf(meta: dict) -> ModelConfig:
         layer_windows=_windows(arch, num_layers, window, meta.get(f"{arch}.attention.sliding_window_pattern")),
         **features,
     )
+
+
+def is_yes_no_reranker(meta: dict) -> bool:
+    """A decoder GGUF that scores a yes/no token: pooling_type 4 (rank) with labels ["yes", "no"]."""
+    arch = meta.get("general.architecture")
+    return (int(meta.get(f"{arch}.pooling_type") or 0) == 4
+            and list(meta.get(f"{arch}.classifier.output_labels") or []) == ["yes", "no"])
 
 
 def _refuse_gguf_features(meta: dict, arch: str, head_dim: int) -> None:

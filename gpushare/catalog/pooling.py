@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from gpushare.catalog.model_config import is_yes_no_reranker
+
 POOLING_MODES = ("mean", "cls", "last")
 RANK = "rank"  # not a vector: a reranker's relevance score (models/llm_rerank.py for decoders)
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum llama_pooling_type; 4 (rank) is a reranker
@@ -79,9 +81,10 @@ def pooling_from_gguf(meta: dict) -> Pooling:
     if value is None or int(value) == 0:  # none (per-token vectors): pool the default way
         return Pooling()
     if int(value) == 4:
-        if meta.get("general.architecture") not in ("bert", "nomic-bert"):
-            raise ValueError("an LLM reranker in GGUF (pooling_type 4 on a decoder) is not supported: serve its "
-                             "Hugging Face folder")
+        if meta.get("general.architecture") not in ("bert", "nomic-bert") and not is_yes_no_reranker(meta):
+            raise ValueError("a decoder GGUF with pooling_type 4 (rank) is an LLM reranker only with "
+                             f"{meta.get('general.architecture')}.classifier.output_labels [\"yes\", \"no\"] "
+                             "(as llama.cpp converts Qwen3-Reranker)")
         return Pooling(RANK, False, declared=True)
     if int(value) not in _GGUF_POOLING:
         raise ValueError(f"GGUF pooling_type {value} is not supported (1 mean, 2 cls, 3 last, 4 rank)")

@@ -124,7 +124,7 @@ def run_decoder(scheduler, runner, taken: list[tuple[PendingEmbed, int]]) -> Non
 
 def _yes_scores(loaded: LoadedModel, hidden: torch.Tensor, last_rows: dict, count: int) -> list[float]:
     """An LLM reranker's P("yes") over {"yes", "no"} at each prompt's last token (models/llm_rerank.py)."""
-    yes, no = yes_no_ids(loaded.tokenizer)
+    yes, no = (0, 1) if loaded.config.yes_no_head else yes_no_ids(loaded.tokenizer)
     logits = loaded.model.logits(hidden, torch.tensor([last_rows[i] for i in range(count)], device=hidden.device))
     return torch.softmax(logits[:, [no, yes]].float(), dim=-1)[:, 1].tolist()
 

@@ -32,6 +32,7 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "cls.output.weight": "lm_head.weight",  # an LLM reranker's head: the yes and no rows only (yes_no_head)
     "rope_freqs.weight": "rope_freqs",
     "rope_factors_long.weight": "rope_factors_long",
     "rope_factors_short.weight": "rope_factors_short",
