@@ -200,8 +200,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if stream:
             return await relay(request, run.stream, run.timings, _stream_format(request, run, message_id, turn.model))
         answer = (await collect(run.stream, run.timings))[0]
-        reply = whole_reply(answer.text, run.tools, run.thinks, run.opened)
-        content = [{"type": "thinking", "thinking": reply.thinking, "signature": ""}] if run.thinks else []
+        reply = whole_reply(answer.text, run.tools, run.shape)
+        content = [{"type": "thinking", "thinking": reply.thinking, "signature": ""}] if run.shape.thinks else []
         content += [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
         content += [{"type": "tool_use", "id": _tool_id(), "name": c["name"], "input": c["arguments"]}
                     for c in reply.calls or []]
@@ -262,7 +262,7 @@ def _tool_use(name: str) -> dict:
 
 
 def _stream_format(request: web.Request, run, message_id: str, model: str) -> StreamFormat:
-    parts = ReplyStream(run.tools, run.thinks, run.opened)
+    parts = ReplyStream(run.tools, run.shape)
     blocks = ContentBlocks()
 
     def head() -> list[dict]:
