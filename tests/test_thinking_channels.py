@@ -1,4 +1,4 @@
-"""gpt-oss's channels split into thinking and answer in every dialect, on a tiny random Llama built here.
+"""gpt-oss's channels split into thinking and answer in every dialect, on a tiny random Qwen3 built here.
 
 Its tokenizer is SmolLM2's with six special tokens renamed to harmony's (``<|start|>``, ``<|channel|>``,
 ``<|message|>``, ``<|end|>``, ``<|return|>``, ``<|call|>``) and a chat template written in gpt-oss's style:
@@ -36,7 +36,7 @@ TEMPLATE = (
 
 
 def _make_model(folder: str, tokenizer_gguf: str) -> str:
-    save_hf_model("llama", folder, tokenizer_gguf, seed=5)
+    save_hf_model("qwen3", folder, tokenizer_gguf, seed=3)
     path = os.path.join(folder, "tokenizer.json")
     spec = json.load(open(path))
     for token_id, name in HARMONY.items():
