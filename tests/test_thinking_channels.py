@@ -9,6 +9,7 @@ is spent), so transformers' greedy tokens with those same tokens put in at those
 segment, must equal the thinking and the answer each dialect returns.
 """
 
+import base64
 import json
 import os
 
@@ -187,3 +188,36 @@ def test_ollama_think_false_leaves_gpt_oss_thinking(daemon, oracle, tokenizer):
     assert status == status_off == 200 and off["message"] == on["message"]
     assert off["prompt_eval_count"] == oracle(0, 0)[0]
     assert off["message"]["thinking"] == "" and off["message"]["content"] != ""
+
+
+def test_anthropic_thinking_signatures_round_trip(daemon, oracle, tokenizer):
+    """A thinking block is signed (the same signature streamed and not); sent back as written, it is accepted and
+    given to the template as the turn's thinking; altered, it is a 400 naming the signature."""
+    client = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=120)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=16, thinking={"type": "enabled", "budget_tokens": BUDGET},
+                  extra_body={"temperature": 0})
+    r = client.messages.create(**kwargs)
+    block = r.content[0]
+    assert block.type == "thinking" and len(base64.b64decode(block.signature)) == 32
+    with client.messages.stream(**kwargs) as stream:
+        signed = [e.delta.signature for e in stream if e.type == "content_block_delta"
+                  and e.delta.type == "signature_delta"]
+    assert signed == [block.signature]
+    turn = [{"type": "thinking", "thinking": block.thinking, "signature": block.signature},
+            {"type": "text", "text": r.content[1].text}]
+    messages = MESSAGES + [{"role": "assistant", "content": turn}, {"role": "user", "content": "And at dusk?"}]
+    counted = client.messages.count_tokens(model=MODEL, messages=messages,
+                                           thinking={"type": "enabled", "budget_tokens": BUDGET})
+    rendered = MESSAGES + [{"role": "assistant", "content": r.content[1].text, "thinking": block.thinking},
+                           {"role": "user", "content": "And at dusk?"}]
+    def count(chat):
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    assert counted.input_tokens == count(rendered) > count([{**m, "thinking": ""} for m in rendered])
+    forged = [{**turn[0], "thinking": block.thinking + " (edited)"}, turn[1]]
+    with pytest.raises(anthropic.BadRequestError) as error:
+        client.messages.create(**{**kwargs, "messages": MESSAGES + [{"role": "assistant", "content": forged},
+                                                                    {"role": "user", "content": "And at dusk?"}]})
+    assert error.value.body["error"]["type"] == "invalid_request_error"
+    assert '"messages[1].content[0].signature"' in error.value.body["error"]["message"]
