@@ -19,13 +19,13 @@ import pytest
 import torch
 from arch_models import save_hf_model
 from daemon_fixture import http, serving
+from test_thinking import MESSAGES, forced_call_follows_the_thinking
 
 MODEL = "harmonic"
 HARMONY = {3: "<|start|>", 4: "<|channel|>", 5: "<|message|>", 6: "<|end|>", 7: "<|return|>", 8: "<|call|>"}
 START, CHANNEL, MESSAGE, END, RETURN, CALL = HARMONY
 CONTEXT = 2048  # room for "low" (a budget of 1024 thinking tokens)
 BUDGET = 6
-MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 TEMPLATE = (
     "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
     "{%- for message in messages %}"
@@ -221,3 +221,24 @@ def test_anthropic_thinking_signatures_round_trip(daemon, oracle, tokenizer):
                                                                     {"role": "user", "content": "And at dusk?"}]})
     assert error.value.body["error"]["type"] == "invalid_request_error"
     assert '"messages[1].content[0].signature"' in error.value.body["error"]["message"]
+
+
+def test_a_forced_tool_call_starts_in_the_final_channel(daemon):
+    forced_call_follows_the_thinking(daemon.url, MODEL, BUDGET)
+
+
+def test_the_split_is_the_same_however_the_text_is_cut():
+    """Streamed a character at a time or whole, a channel reply gives the same thinking and answer, and no
+    markup; a reply cut short inside a header shows none of it."""
+    from gpushare.api.thinking import ReplyShape, split
+
+    shape = ReplyShape("channels")
+    reply = ("<|channel|>analysis<|message|>Rayleigh <scattering> |< <|end|><|start|>assistant<|channel|>final"
+             "<|message|>Short waves scatter more.<|return|>")
+    assert split(reply, shape) == ("Rayleigh <scattering> |< ", "Short waves scatter more.")
+    splitter, pieces = shape.splitter(), []
+    for char in reply:
+        pieces.append(splitter.feed(char))
+    pieces.append(splitter.finish())
+    assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == split(reply, shape)
+    assert split("<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|chan", shape) == ("hm", "")
