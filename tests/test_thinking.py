@@ -163,17 +163,22 @@ def test_responses_reasoning_item_then_json_after_the_thinking(daemon, oracle):
     assert r.output[0].content[0].text == _split(tokenizer, out)[0] and r.output_text == ""
 
 
-def test_a_forced_tool_call_starts_where_the_thinking_ends(daemon):
-    client = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=120)
+def forced_call_follows_the_thinking(url: str, model: str, budget: int) -> None:
+    """A forced tool call after thinking of ``budget`` tokens: a tool_use block with schema-valid input, and the
+    same thinking as when the model is left to choose (the grammar holds only what follows the thinking; a random
+    model left to choose never writes a call)."""
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
-    kwargs = dict(model=THINKER, messages=MESSAGES, max_tokens=60, extra_body={"temperature": 0},
-                  thinking={"type": "enabled", "budget_tokens": BUDGET}, tools=[{"name": "answer", "input_schema": schema}])
+    kwargs = dict(model=model, messages=MESSAGES, max_tokens=60, extra_body={"temperature": 0},
+                  thinking={"type": "enabled", "budget_tokens": budget}, tools=[{"name": "answer", "input_schema": schema}])
     forced = client.messages.create(**kwargs, tool_choice={"type": "any"})
     assert [b.type for b in forced.content] == ["thinking", "tool_use"] and forced.stop_reason == "tool_use"
     assert forced.content[1].name == "answer" and forced.content[1].input in ({"ok": True}, {"ok": False})
-    # The thinking is the random model's free text, as when it is left to choose: the grammar holds only what
-    # follows it (a random model left to choose never writes a call).
     free = client.messages.create(**kwargs, tool_choice={"type": "auto"})
     assert [b.type for b in free.content] == ["thinking", "text"]
     assert forced.content[0].thinking == free.content[0].thinking != ""
+
+
+def test_a_forced_tool_call_starts_where_the_thinking_ends(daemon):
+    forced_call_follows_the_thinking(daemon.url, THINKER, BUDGET)

@@ -18,7 +18,7 @@ import uuid
 
 from aiohttp import web
 
-from gpushare.api import thinking as think
+from gpushare.api import signatures, thinking as think
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import field, read_json_object, reject_unsupported, required_string, string_list, text_parts
 from gpushare.api.limits import check_count, check_prompt_chars, check_stop, limits_of
@@ -48,8 +48,19 @@ def _blocks(m: dict, where: str) -> list[dict]:
     return content
 
 
+def _thought(block: dict, at: str) -> str:
+    """A thinking block sent back: its text, when its signature is this daemon's."""
+    thinking, signature = block.get("thinking"), block.get("signature")
+    if not isinstance(thinking, str):
+        raise bad_request(f'"{at}.thinking" must be a string', param=at + ".thinking")
+    if not isinstance(signature, str) or not signatures.verifies(thinking, signature):
+        raise bad_request(f'"{at}.signature" is not a valid signature of this thinking block (a thinking block '
+                          'must be sent back as this server wrote it)', param=at + ".signature")
+    return thinking
+
+
 def _assistant(blocks: list[dict], where: str, calls: dict) -> list[dict]:
-    text, tool_calls = [], []
+    text, tool_calls, thoughts = [], [], []
     for j, block in enumerate(blocks):
         at, kind = f"{where}.content[{j}]", block["type"]
         if kind == "text":
@@ -62,10 +73,15 @@ def _assistant(blocks: list[dict], where: str, calls: dict) -> list[dict]:
             calls[block["id"]] = block["name"]
             tool_calls.append({"type": "function", "id": block["id"],
                                "function": {"name": block["name"], "arguments": block.get("input", {})}})
-        elif kind not in ("thinking", "redacted_thinking"):  # past thinking is not shown to the model again
+        elif kind == "thinking":
+            thoughts.append(_thought(block, at))
+        elif kind != "redacted_thinking":  # redacted thinking is Anthropic's own ciphertext: dropped
             raise bad_request(f'"{at}.type" {kind!r} is not supported in an assistant message (text, tool_use, '
                               'thinking)', param=at + ".type")
-    return [{"role": "assistant", "content": "".join(text), **({"tool_calls": tool_calls} if tool_calls else {})}]
+    # The thinking goes to the template under both names templates read (gpt-oss's, Qwen3's); others drop it.
+    shown = {"thinking": "".join(thoughts), "reasoning_content": "".join(thoughts)} if thoughts else {}
+    return [{"role": "assistant", "content": "".join(text), **shown,
+             **({"tool_calls": tool_calls} if tool_calls else {})}]
 
 
 def _user(blocks: list[dict], where: str, calls: dict) -> list[dict]:
@@ -200,8 +216,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if stream:
             return await relay(request, run.stream, run.timings, _stream_format(request, run, message_id, turn.model))
         answer = (await collect(run.stream, run.timings))[0]
-        reply = whole_reply(answer.text, run.tools, run.thinks, run.opened)
-        content = [{"type": "thinking", "thinking": reply.thinking, "signature": ""}] if run.thinks else []
+        reply = whole_reply(answer.text, run.tools, run.shape)
+        content = ([{"type": "thinking", "thinking": reply.thinking, "signature": signatures.sign(reply.thinking)}]
+                   if run.shape.thinks else [])
         content += [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
         content += [{"type": "tool_use", "id": _tool_id(), "name": c["name"], "input": c["arguments"]}
                     for c in reply.calls or []]
@@ -217,6 +234,7 @@ class ContentBlocks:
     def __init__(self):
         self.index = -1
         self.kind: str | None = None  # the open block's type
+        self.thought = ""  # the open thinking block's text, signed when it closes
 
     def open(self, kind: str, start: dict) -> list[dict]:
         events = self.close()
@@ -226,8 +244,9 @@ class ContentBlocks:
     def close(self) -> list[dict]:
         if self.kind is None:
             return []
-        events = [self.delta({"type": "signature_delta", "signature": ""})] if self.kind == "thinking" else []
-        self.kind = None
+        events = ([self.delta({"type": "signature_delta", "signature": signatures.sign(self.thought)})]
+                  if self.kind == "thinking" else [])
+        self.kind, self.thought = None, ""
         return events + [{"type": "content_block_stop", "index": self.index}]
 
     def delta(self, delta: dict) -> dict:
@@ -243,6 +262,7 @@ class ContentBlocks:
             if kind == "thinking":
                 events += self.text("thinking", {"type": "thinking", "thinking": "", "signature": ""},
                                     {"type": "thinking_delta", "thinking": value})
+                self.thought += value
             elif kind == "text":
                 events += self.text("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": value})
             elif kind == "call":
@@ -262,7 +282,7 @@ def _tool_use(name: str) -> dict:
 
 
 def _stream_format(request: web.Request, run, message_id: str, model: str) -> StreamFormat:
-    parts = ReplyStream(run.tools, run.thinks, run.opened)
+    parts = ReplyStream(run.tools, run.shape)
     blocks = ContentBlocks()
 
     def head() -> list[dict]:

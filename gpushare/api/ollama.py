@@ -162,15 +162,13 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
         room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
-        thinking = think.checked(think.Thinking(False) if raw else asked, lease.model, preset.template, model)
+        thinking = think.checked(think.Thinking(False, raw=True) if raw else asked, lease.model, preset.template,
+                                 model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
                                    lease.model, preset, room, budget_of(request), think.template_vars(thinking))
-        thinks = think.thinks(thinking, lease.model, preset.template)
-        opened = thinks and think.opens_thinking(lease.model, prompt_ids)
-        if thinks:
-            structured = think.grammar(lease.model, thinking, structured)
-        params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=structured,
-                                      logprobs=top_logprobs, **values)
+        plan = think.plan(thinking, lease.model, preset.template, prompt_ids, structured)
+        params = make_sampling_params(FIELD_NAMES, max_tokens=max_tokens, structured=plan.structured,
+                                      logprobs=top_logprobs, **values, **plan.sampling)
         # Ollama never fails on num_predict: generation stops at the context (clip).
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority, num_ctx, clip=True,
                               field_names=FIELD_NAMES, policies=ctx.node.tenant_policies,
@@ -178,13 +176,13 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         ticket.charge_tokens(len(prompt_ids) + gen.params.max_tokens, timings)
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
-        shape = _Replies(model, chat, thinks, timings,
+        shape = _Replies(model, chat, plan.shape.thinks, timings,
                          TokenText(lease.model) if top_logprobs is not None else None, top_logprobs)
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
-                return await relay(request, engine_stream, timings, _ndjson(shape, tools, opened))
+                return await relay(request, engine_stream, timings, _ndjson(shape, tools, plan.shape))
             answer = (await collect(engine_stream, timings))[0]
-            whole = whole_reply(answer.text, tools, thinks, opened)
+            whole = whole_reply(answer.text, tools, plan.shape)
             return web.json_response({**shape.tail(answer.out)[0],
                                       **shape.reply(whole.text, whole.calls, whole.thinking),
                                       **shape.logprobs(answer.logprobs)})
@@ -227,9 +225,9 @@ class _Replies:
         return [by_kind[kind](value) for kind, value in items if kind in by_kind]
 
 
-def _ndjson(shape: _Replies, tools: ToolSpec, opened: bool) -> StreamFormat:
+def _ndjson(shape: _Replies, tools: ToolSpec, split: think.ReplyShape) -> StreamFormat:
     """Ollama's stream: a line per piece of thinking, text or tool call, then the closing line."""
-    parts = ReplyStream(tools, shape.thinks, opened)
+    parts = ReplyStream(tools, split)
 
     def piece(out):
         chunks = shape.lines(parts.feed(out.text))

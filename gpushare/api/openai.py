@@ -154,11 +154,10 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
         thinking = think.checked(thinking or think.Thinking(False), lease.model, preset.template, model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,
                                    lease.model, preset, budget_of(request), think.template_vars(thinking))
-        thinks = chat and think.thinks(thinking, lease.model, preset.template)
-        opened = thinks and think.opens_thinking(lease.model, prompt_ids)
-        if thinks:
-            structured = think.grammar(lease.model, thinking, structured)
-        params = make_sampling_params(n=n, structured=structured, logprobs=top_logprobs, **values)
+        plan = think.plan(thinking if chat else think.Thinking(False), lease.model, preset.template, prompt_ids,
+                          structured)
+        params = make_sampling_params(n=n, structured=plan.structured, logprobs=top_logprobs, **values,
+                                      **plan.sampling)
         # A default never overflows the context (clip); an explicit max_tokens that does is a 400, as in vLLM.
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
                               preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit,
@@ -169,16 +168,16 @@ async def _complete(request: web.Request, body: dict, make_prompt, chat: bool,
                 "object": "chat.completion.chunk" if stream and chat else "chat.completion" if chat
                 else "text_completion",
                 "created": int(time.time()), "model": model, "system_fingerprint": FINGERPRINT}
-        shape = _Choices(chat, stream, thinks, include_usage, base,
+        shape = _Choices(chat, stream, plan.shape.thinks, include_usage, base,
                          TokenText(lease.model) if top_logprobs is not None else None, [0] * n)
         with EngineStream(lease.device, gen) as engine_stream:
             if stream:
                 return await _relay_stream(request, engine_stream, timings, chat, n, include_usage, base, shape.chunk,
-                                           shape.choice, [ReplyStream(tools, thinks, opened) for _ in range(n)])
+                                           shape.choice, [ReplyStream(tools, plan.shape) for _ in range(n)])
             answers = await collect(engine_stream, timings)
             choices = []
             for a in answers:
-                reply = whole_reply(a.text, tools, thinks, opened)
+                reply = whole_reply(a.text, tools, plan.shape)
                 choices.append(shape.choice(a.index, None if reply.calls else reply.text, a.out.finish_reason,
                                             a.logprobs, reply.calls, reply.thinking))
             return web.json_response({**base, "choices": choices, "usage": _usage([a.out for a in answers])})

@@ -179,8 +179,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if field(body, "stream", "boolean", False):
             return await relay(request, run.stream, run.timings, _stream_format(request, run, base))
         answer = (await collect(run.stream, run.timings))[0]
-        reply = whole_reply(answer.text, run.tools, run.thinks, run.opened)
-        output = [_reasoning(reply.thinking)] if run.thinks else []
+        reply = whole_reply(answer.text, run.tools, run.shape)
+        output = [_reasoning(reply.thinking)] if run.shape.thinks else []
         output += [_call(c["name"], json.dumps(c["arguments"])) for c in reply.calls or []]
         output += [_message(reply.text)] if not reply.calls else []
         return web.json_response(_response(base, "completed", output, answer.out))
@@ -260,7 +260,7 @@ def _text_kind(item: dict) -> str:
 
 
 def _stream_format(request: web.Request, run, base: dict) -> StreamFormat:
-    parts = ReplyStream(run.tools, run.thinks, run.opened)
+    parts = ReplyStream(run.tools, run.shape)
     items = OutputItems()
 
     def head() -> list[dict]:

@@ -1,29 +1,38 @@
 """Thinking models, for every dialect: which models think, thinking on or off, its budget, and the
 split of a reply into its thinking and its answer.
 
-A model thinks when its chat template takes ``enable_thinking`` or writes ``<think>`` (Qwen3, the
-DeepSeek-R1 distills) and ``</think>`` is one token of its vocabulary. Thinking off renders the
-template with ``enable_thinking=False`` (the template then closes an empty thinking block itself).
-A reply is thinking up to ``</think>`` (less an opening ``<think>``, which the template may already
-have written in the prompt) and answer after it, leading whitespace of each dropped, as Ollama does.
+Two formats. A ``<think>`` model's chat template takes ``enable_thinking`` or writes ``<think>`` (Qwen3,
+the DeepSeek-R1 distills) and ``</think>`` is one token of its vocabulary. Thinking off renders the
+template with ``enable_thinking=False`` (the template then closes an empty thinking block itself). A
+reply is thinking up to ``</think>`` (less an opening ``<think>``, which the template may already have
+written in the prompt) and answer after it, leading whitespace of each dropped, as Ollama does.
 
-A budget, or a grammar the answer must follow (JSON Schema, forced tool calls), becomes one Lark
-grammar: free text of at most ``budget`` tokens, the ``</think>`` token (forced once the budget is
-spent), then the answer's grammar, so constrained decoding starts where the thinking ends.
-gpt-oss's channels are not split: such a model has no ``thinking`` capability here.
+A channel model (gpt-oss, api/channels.py) writes its thinking in the ``analysis`` channel and its
+answer in ``final``; the reply's special tokens are kept in its text (SamplingParams.skip_special_tokens)
+so the split sees them. It takes an effort, not on/off: the template reads ``reasoning_effort``
+(``low | medium | high``; ``minimal`` is ``low``), and thinking off is not possible: as Ollama does, a
+request that turns it off is answered with the thinking on (split as usual).
+
+An effort is also a budget of thinking tokens (EFFORT_BUDGETS). A budget, or a grammar the answer must
+follow (JSON Schema, forced tool calls), becomes one Lark grammar: free text of at most ``budget`` tokens,
+the close (``</think>``; for channels ``<|end|><|start|>assistant<|channel|>final<|message|>``, after an
+opening ``<|channel|>analysis<|message|>``), forced once the budget is spent, then the answer's grammar, so
+constrained decoding starts where the thinking ends.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gpushare.api import channels
 from gpushare.api.errors import bad_request
 from gpushare.protocol.structured_output import JSON_OPTIONS, StructuredOutput
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Ollama's and OpenAI's effort levels, as budgets of thinking tokens ("high": no budget but max_tokens).
 EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}
+CHANNEL_EFFORTS = {"minimal": "low"}  # gpt-oss's template knows low, medium and high
 
 
 @dataclass
@@ -33,6 +42,8 @@ class Thinking:
     budget_tokens: int | None = None
     param: str = "think"  # the field that asked, as the dialect names it (for 400s)
     strict: bool = True  # asking a model that cannot think is a 400 (else the request is answered plainly)
+    level: str | None = None  # the effort asked ("low", ...), for a template that reads reasoning_effort
+    raw: bool = False  # a raw prompt (Ollama's raw): the reply is never split
 
 
 def close_token(model) -> int | None:
@@ -40,14 +51,19 @@ def close_token(model) -> int | None:
     return model.tokenizer.token_to_id(THINK_CLOSE)
 
 
+def _template_opens_think(source: str | None) -> bool:
+    return "enable_thinking" in (source or "") or THINK_OPEN in (source or "")
+
+
 def template_thinks(source: str | None) -> bool:
     """Whether a chat template is a thinking model's (/api/show's ``thinking`` capability)."""
-    return "enable_thinking" in (source or "") or THINK_OPEN in (source or "")
+    return _template_opens_think(source) or channels.template_speaks(source)
 
 
 def can_think(model, template: str | None = None) -> bool:
     """Whether the model (with ``template``, a preset's TEMPLATE, replacing its own) thinks."""
-    return template_thinks(template or model.template_source) and close_token(model) is not None
+    return ((_template_opens_think(template or model.template_source) and close_token(model) is not None)
+            or channels.speaks_channels(model, template))
 
 
 def effort(value, param: str, strict: bool = True) -> Thinking:
@@ -60,7 +76,7 @@ def effort(value, param: str, strict: bool = True) -> Thinking:
     if value == "none":
         return Thinking(False, param=param)
     if value in EFFORT_BUDGETS:
-        return Thinking(True, EFFORT_BUDGETS[value], param=param, strict=strict)
+        return Thinking(True, EFFORT_BUDGETS[value], param=param, strict=strict, level=value)
     raise bad_request(f'"{param}" must be true, false, "low", "medium" or "high", got {json.dumps(value)}',
                       param=param)
 
@@ -70,34 +86,77 @@ def checked(thinking: Thinking, model, template: str | None, model_name: str) ->
     answers (unless not ``strict``); a request that leaves it unset on such a model is plain."""
     if thinking.enabled and thinking.strict and not can_think(model, template):
         raise bad_request(f'"{model_name}" does not support thinking', param=thinking.param)
-    if not can_think(model, template):
-        return Thinking(False, param=thinking.param)
+    if thinking.raw or not can_think(model, template):
+        return Thinking(False, param=thinking.param, raw=thinking.raw)
+    if thinking.enabled is False and channels.speaks_channels(model, template):
+        return Thinking(param=thinking.param)  # gpt-oss cannot stop thinking: answered with it on, as Ollama does
     return thinking
 
 
 def template_vars(thinking: Thinking) -> dict:
-    """The chat template's variables for this request (Qwen3's ``enable_thinking``)."""
-    return {} if thinking.enabled is None else {"enable_thinking": thinking.enabled}
+    """The chat template's variables for this request (Qwen3's ``enable_thinking``, gpt-oss's
+    ``reasoning_effort``; a template reads the one it knows)."""
+    values = {} if thinking.enabled is None else {"enable_thinking": thinking.enabled}
+    if thinking.level is not None and thinking.enabled:
+        values["reasoning_effort"] = CHANNEL_EFFORTS.get(thinking.level, thinking.level)
+    return values
 
 
-def thinks(thinking: Thinking, model, template: str | None) -> bool:
-    """Whether this reply is to be split: a thinking model, thinking not turned off."""
-    return thinking.enabled is not False and can_think(model, template)
+@dataclass(frozen=True)
+class ReplyShape:
+    """How a reply is split: ``style`` "plain" (not at all), "think" (at ``</think>``; ``opened``: the prompt
+    opened the thinking) or "channels" (gpt-oss's)."""
+    style: str = "plain"
+    opened: bool = False
+
+    @property
+    def thinks(self) -> bool:
+        return self.style != "plain"
+
+    def splitter(self):
+        """A fresh streaming splitter of this shape: ``feed(text)`` and ``finish()`` give (thinking, answer)."""
+        return channels.ChannelSplit() if self.style == "channels" else ThinkSplit(self.thinks, self.opened)
 
 
-def opens_thinking(model, prompt_ids: list[int]) -> bool:
-    """Whether the prompt itself opened the thinking (R1's templates end with ``<think>``)."""
-    return model.tokenizer.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip().endswith(THINK_OPEN)
+@dataclass
+class Plan:
+    """A thinking request made concrete for the engine: the reply's shape, its grammar, and what it adds to
+    the sampling parameters."""
+    shape: ReplyShape
+    structured: StructuredOutput | None
+    sampling: dict = field(default_factory=dict)
 
 
-def grammar(model, thinking: Thinking, answer: StructuredOutput | None) -> StructuredOutput | None:
-    """The grammar of a thinking reply: None when neither a budget nor the answer constrain it."""
+def plan(thinking: Thinking, model, template: str | None, prompt_ids: list[int],
+         answer: StructuredOutput | None) -> Plan:
+    """The plan of a ``checked`` request whose prompt is ``prompt_ids``; ``answer``: the answer's grammar."""
+    if thinking.enabled is False or thinking.raw or not can_think(model, template):
+        return Plan(ReplyShape(), answer)
+    if channels.speaks_channels(model, template):
+        # The stops (<|return|>, <|call|>, never <|end|>) are the model's own (catalog/model_head.stop_ids).
+        return Plan(ReplyShape("channels"), _grammar(model, thinking, answer, speaks=True),
+                    {"skip_special_tokens": False})
+    opened = model.tokenizer.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip().endswith(THINK_OPEN)
+    return Plan(ReplyShape("think", opened), _grammar(model, thinking, answer, speaks=False))
+
+
+def _tokens(ids: list[int]) -> str:
+    return " ".join(f"<[{i}]>" for i in ids)
+
+
+def _grammar(model, thinking: Thinking, answer: StructuredOutput | None, speaks: bool) -> StructuredOutput | None:
+    """The grammar of a thinking reply (``speaks``: in channels): None when neither a budget nor the answer
+    constrain it."""
     if thinking.budget_tokens is None and answer is None:
         return None
     budget = f"[max_tokens={thinking.budget_tokens}]" if thinking.budget_tokens is not None else ""
     rest = "/(?s:.*)/" if answer is None else "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **answer.schema()})
-    return StructuredOutput(lark=f"start: think <[{close_token(model)}]> answer\n"
-                                 f"think{budget}: /(?s:.*)/\nanswer: {rest}\n")
+    if speaks:  # the answer may end with <|return|>, which the grammar then ends on
+        start = (f"{_tokens(channels.open_ids(model))} think {_tokens(channels.close_ids(model))} answer "
+                 f"{_tokens(channels.stop_ids(model)[:1])}?")
+    else:
+        start = f"think <[{close_token(model)}]> answer"
+    return StructuredOutput(lark=f"start: {start}\nthink{budget}: /(?s:.*)/\nanswer: {rest}\n")
 
 
 class ThinkSplit:
@@ -152,9 +211,9 @@ class ThinkSplit:
         return "", out.lstrip() if self.strip else out
 
 
-def split(text: str, active: bool, opened: bool = False) -> tuple[str, str]:
+def split(text: str, shape: ReplyShape) -> tuple[str, str]:
     """A whole reply as (thinking, answer)."""
-    splitter = ThinkSplit(active, opened)
+    splitter = shape.splitter()
     first = splitter.feed(text)
     last = splitter.finish()
     return first[0] + last[0], first[1] + last[1]

@@ -41,8 +41,7 @@ class Running:
     """A turn submitted to the engine."""
     stream: EngineStream
     prompt_ids: list[int]
-    thinks: bool  # its reply is split into thinking and answer
-    opened: bool  # the prompt opened the thinking
+    shape: think.ReplyShape  # how its reply is split into thinking and answer
     tools: ToolSpec
     timings: Timings
 
@@ -77,11 +76,9 @@ async def running(request: web.Request, turn: Turn):
         thinking = think.checked(turn.thinking, lease.model, preset.template, turn.model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", _prompt,
                                    lease.model, preset, turn, thinking, budget_of(request))
-        thinks = think.thinks(thinking, lease.model, preset.template)
-        structured = forced_output(turn.tools) or turn.structured
-        if thinks:
-            structured = think.grammar(lease.model, thinking, structured)
-        params = make_sampling_params(turn.field_names, structured=structured, **values)
+        plan = think.plan(thinking, lease.model, preset.template, prompt_ids,
+                          forced_output(turn.tools) or turn.structured)
+        params = make_sampling_params(turn.field_names, structured=plan.structured, **values, **plan.sampling)
         gen = checked_request(lease, prompt_ids, params, ticket.tenant, ticket.priority,
                               preset.options.get("num_ctx") or ctx.settings.server.context_length, clip=not explicit,
                               field_names=turn.field_names, policies=ctx.node.tenant_policies,
@@ -90,8 +87,7 @@ async def running(request: web.Request, turn: Turn):
         lease.hold_tokens(len(prompt_ids) + gen.params.max_tokens)
         timings.submit_s = time.monotonic()
         with EngineStream(lease.device, gen) as stream:
-            yield Running(stream, prompt_ids, thinks, thinks and think.opens_thinking(lease.model, prompt_ids),
-                          turn.tools, timings)
+            yield Running(stream, prompt_ids, plan.shape, turn.tools, timings)
 
 
 @dataclass
@@ -102,8 +98,8 @@ class Reply:
     calls: list[dict] | None  # {"name", "arguments"} each
 
 
-def whole_reply(text: str, tools: ToolSpec, thinks: bool, opened: bool) -> Reply:
-    thought, answer = think.split(text, thinks, opened)
+def whole_reply(text: str, tools: ToolSpec, shape: think.ReplyShape) -> Reply:
+    thought, answer = think.split(text, shape)
     calls = parse_calls(answer, tools) if tools.active else None
     return Reply(thought, "" if calls else answer, calls)
 
@@ -113,8 +109,8 @@ class ReplyStream:
     ``("thinking", text)``, ``("text", text)``, ``("call", name)`` (a call begins), ``("arguments", text)``
     and, at the end, ``("calls", [...])`` for calls that were not streamed piece by piece."""
 
-    def __init__(self, tools: ToolSpec, thinks: bool, opened: bool):
-        self.splitter = think.ThinkSplit(thinks, opened)
+    def __init__(self, tools: ToolSpec, shape: think.ReplyShape):
+        self.splitter = shape.splitter()
         self.held = ReplyFilter(tools)
         self.calls = CallStream(tools)
         self.tools = tools

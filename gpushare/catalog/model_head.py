@@ -28,6 +28,9 @@ _OUTPUT_TENSORS = ("token_embd.weight", "output.weight")  # GGUF names
 # Chat models end a turn with one of these even when the metadata names another EOS.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
                     "<|end|>")
+# gpt-oss's vocabulary ("harmony", api/channels.py): <|end|> ends a message (the thinking), <|return|> and
+# <|call|> end the turn.
+_HARMONY_TURN_ENDS = ("<|return|>", "<|call|>")
 
 
 @dataclass
@@ -173,10 +176,15 @@ def read_model_info(path: str) -> tuple[ModelConfig, str | None, dict]:
 
 def stop_ids(tokenizer: Tokenizer, extra_ids=()) -> set:
     """The given ids, the EOS, and every turn-end marker the vocabulary holds as a whole token: a
-    special one, or an added (user-defined) one as Gemma's ``<end_of_turn>`` is in its GGUF files."""
+    special one, or an added (user-defined) one as Gemma's ``<end_of_turn>`` is in its GGUF files.
+    In gpt-oss's vocabulary ``<|end|>`` is not one, even when named (it ends the thinking)."""
     ids = {i for i in extra_ids if i is not None}
     whole = tokenizer.special_ids | set(tokenizer.hf.get_added_tokens_decoder())
-    for token in (tokenizer.eos_token, *_TURN_END_TOKENS):
+    turn_ends = _TURN_END_TOKENS
+    if tokenizer.token_to_id("<|channel|>") is not None and tokenizer.token_to_id("<|return|>") is not None:
+        ids.discard(tokenizer.token_to_id("<|end|>"))
+        turn_ends = tuple(t for t in _TURN_END_TOKENS if t != "<|end|>") + _HARMONY_TURN_ENDS
+    for token in (tokenizer.eos_token, *turn_ends):
         if token is not None and tokenizer.token_to_id(token) is not None and (
             token == tokenizer.eos_token or tokenizer.token_to_id(token) in whole
         ):

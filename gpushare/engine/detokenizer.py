@@ -10,9 +10,9 @@ def append_text(tokenizer: Tokenizer, seq: Sequence) -> None:
     Decoding a short window (from ``prefix_offset``) and diffing keeps this O(1) per token, and
     lets byte-level tokens that only form a character together wait for each other.
     """
-    ids = seq.output_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
-    full = tokenizer.decode(ids[seq.prefix_offset:])
+    ids, skip = seq.output_ids, seq.params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.text += full[len(prefix):]
         seq.prefix_offset = seq.read_offset

@@ -34,6 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: the text keeps them (gpt-oss's channel markup, split by the API)
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob plus the top k
     logprobs: int | None = None  # None: off; k: each sampled token's logprob plus the top k
     n: int = 1  # answers to the one prompt, sharing its KV blocks (the engine forks after the prefill)
