@@ -22,6 +22,7 @@ RANKS = {"fine-a": 8, "fine-b": 16, "fine-c": 32}
 PROMPTS = ["Tell me about the history of Paris and the river that runs through it.",
            "Write a short poem about the sea, the wind and the gulls."]
 NEW_TOKENS = 16
+NEAR_TIE = 0.1  # a parting within this many standard deviations of the logits is a near tie
 
 
 def make_adapter(base_folder: str, folder: str, rank: int, seed: int, targets=TARGETS):
@@ -99,17 +100,45 @@ def test_base_and_three_adapters_mixed_in_one_batch_match_peft(llm, family, expe
         assert out.token_ids == expected[name][prompts.index(ids)], name
 
 
+def int8_oracles(base_folder: str, folders: dict) -> dict:
+    """transformers and peft over the weights an int8 load holds: each matrix int8 gpushare quantizes,
+    through its int8 round trip."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gpushare.models.quantized import quantize_int8
+    from gpushare.protocol.weight_format import target_of
+
+    def rounded_base():
+        model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if target_of(name, "int8") == "int8":
+                    p.copy_(quantize_int8(p.detach()).dequantize())
+        return model.eval()
+
+    oracles = {None: rounded_base()}
+    for name, folder in folders.items():
+        oracles[name] = PeftModel.from_pretrained(rounded_base(), folder).eval()
+    return oracles
+
+
 def test_int8_base_with_adapters_stays_close_to_peft(family):
-    """Per position of a text, each model's next-token choice on int8 weights is peft's float32 one almost
-    everywhere (test_quantized_weights' tolerance), all four models' rows in one forward pass."""
-    base, folders, oracles, prompts = family
-    ids = prompts[0] + prompts[1]
+    """Per position of a text, each model's next-token choice on int8 weights (activations rounded too, by
+    the block kernel) is peft's over the same int8 weights almost everywhere, all four models' rows in one
+    pass; as test_kv_pool does for bfloat16 KV, every parting is checked to be a near tie in peft's logits
+    (this tiny random model has many: on this machine 3 to 6 of 53 positions part, each within 0.07 of
+    the best logit, whose spread is 1.3)."""
+    base, folders, _, _ = family
     loaded = load_model(base, weights="int8")
+    ids = loaded.tokenizer.encode(" ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog while the sun "
+                                  "sets slowly behind the hills and the birds fly home.")
     assert loaded.model.layers[0].mlp.down_proj.format == "int8"
     engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=8 << 20))
     engine.add_model("base", loaded)
     for name, folder in folders.items():
         engine.add_adapter(name, "base", read_adapter(folder, name))
+    oracles = int8_oracles(base, folders)
     seqs = []
     for name in oracles:
         seq = Sequence(f"x-{name}", "base", ids, greedy(), lambda out: None)
@@ -118,18 +147,23 @@ def test_int8_base_with_adapters_stays_close_to_peft(family):
         seqs.append(seq)
     hidden, _ = engine.models["base"].runner.hidden_states(seqs, [len(ids)] * len(seqs))
     choices = loaded.model.logits(hidden).argmax(dim=-1).view(len(seqs), len(ids))
+    references = []
     for row, (name, oracle) in zip(choices, oracles.items()):
         with torch.no_grad():
-            reference = oracle(torch.tensor([ids])).logits[0].argmax(dim=-1)
-        agreement = (row == reference).float().mean().item()
-        assert agreement >= 0.9, (name, agreement)
+            logits = oracle(torch.tensor([ids])).logits[0]
+        references.append(logits.argmax(dim=-1))
+        # how far below peft's best logit our choice is: 0 where we agree
+        gaps = logits.max(dim=-1).values - logits.gather(1, row[:, None].cpu()).squeeze(1)
+        assert int((gaps == 0).sum()) >= 0.8 * len(ids), (name, gaps)
+        assert gaps.max() < NEAR_TIE * logits.std(), (name, gaps)
+    assert len({tuple(r.tolist()) for r in references}) == len(references)  # each adapter's choices its own
 
 
 def test_an_adapter_for_another_base_is_refused_naming_both(llm, tmp_path, smollm2_path):
     other = save_hf_model("qwen3", str(tmp_path / "qwen3"), smollm2_path)
     make_adapter(other, str(tmp_path / "qwen-lora"), 8, seed=9)
-    with pytest.raises(ValueError, match=r"adapter 'qwen-lora' does not fit base .*lora_A is \[8, 64\], "
-                                         r"the base needs \[8, 256\]"):
+    with pytest.raises(ValueError, match=r"adapter 'qwen-lora' does not fit base '.*base': layer 0 down lora_A "
+                                         r"is \[8, 128\], the base needs \[8, 512\]"):
         llm.load_adapter("qwen-lora", str(tmp_path / "qwen-lora"))
     assert llm.generate(["Why?"], greedy())[0].finish_reason == "length"  # the base keeps serving
 
