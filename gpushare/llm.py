@@ -7,6 +7,7 @@ from gpushare.engine.engine import Engine, EngineConfig
 from gpushare.engine.passing_threads import in_passing_thread
 from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.models.loader import load_model
+from gpushare.models.lora import read_adapter
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 
@@ -50,28 +51,39 @@ class LLM:
     def tokenizer(self):
         return self.model.tokenizer
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
-        """Complete each prompt (a string or a list of token ids); results come back in input order."""
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` (a PEFT folder or a GGUF LoRA) as ``name`` on this model;
+        ValueError when it does not fit (models/lora.py)."""
+        self.engine.add_adapter(name, self.model_name, read_adapter(path, name))
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 adapter: str | list[str | None] | None = None) -> list[CompletionOutput]:
+        """Complete each prompt (a string or a list of token ids); results come back in input order.
+        ``adapter``: a loaded adapter's name (load_adapter) for all prompts, or one per prompt (None: the base)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
         token_lists = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
-        return self._run(token_lists, params)
+        return self._run(token_lists, params, adapter)
 
-    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             adapter: str | list[str | None] | None = None) -> list[CompletionOutput]:
         """Answer each conversation (a list of ``{"role", "content"}`` messages) with the model's template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if not conversations:
             raise ValueError("conversations is empty: pass at least one conversation")
         token_lists = [self.tokenizer.encode(self.model.render_chat(c), add_special_tokens=False) for c in conversations]
-        return self._run(token_lists, params)
+        return self._run(token_lists, params, adapter)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def _run(self, token_lists: list[list[int]], params) -> list[CompletionOutput]:
+    def _run(self, token_lists: list[list[int]], params, adapter=None) -> list[CompletionOutput]:
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(token_lists)
+        if len(adapters) != len(token_lists):
+            raise ValueError(f"got {len(adapters)} adapters for {len(token_lists)} inputs")
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
@@ -103,8 +115,9 @@ class LLM:
             return on_output
 
         try:
-            for i, (tokens, p) in enumerate(zip(token_lists, params)):
-                ids.append(self.engine.submit(self.engine.request(self.model_name, tokens, p), collector(i)))
+            for i, (tokens, p, name) in enumerate(zip(token_lists, params, adapters)):
+                request = self.engine.request(name or self.model_name, tokens, p)
+                ids.append(self.engine.submit(request, collector(i)))
         except Exception:
             for rid in ids:
                 self.engine.cancel(rid)

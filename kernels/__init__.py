@@ -1,4 +1,4 @@
-"""Device kernels behind one dispatch point: paged attention and weight-only quantized matmul.
+"""Device kernels behind one dispatch point: paged attention, weight-only quantized matmul and batched LoRA.
 
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
 forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU attention runs the C++ kernel
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from gpushare.kernels import cpu_ops as _cpu_ops
+from gpushare.kernels import lora_torch as _lora_torch
 from gpushare.kernels import paged_attention_torch as _attention_torch
 from gpushare.kernels import quant_matmul_torch as _quant_torch
 
@@ -151,3 +152,12 @@ def int8_weight_matmul(x, qweight, scales):
 def int4_weight_matmul(x, qweight, scales, mins, group_size):
     """``x [..., K] @ w.T`` for a packed int4 weight ``[N, K // 2]`` with per-group ``scales``/``mins``."""
     return _ops(x, _quant_torch).int4_weight_matmul(x, qweight, scales, mins, group_size)
+
+
+def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
+    """Add each row's own adapter product to ``y [rows, out]`` in place (kernels/lora_torch.py has the
+    layout); ``y`` may be a column slice of a fused projection's output, which the kernel gets whole."""
+    if y.is_contiguous():
+        return _lora_torch.lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
+    y.copy_(_lora_torch.lora_apply(y.contiguous(), x, a_stack, b_stack, slot_of_row, scale_of_slot))
+    return y

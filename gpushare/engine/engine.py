@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from gpushare.protocol.engine_config import EngineConfig
+from gpushare.engine import adapters
 from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake, refuse
 from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed
 from gpushare.engine.embed_queue import EmbedQueue
@@ -48,6 +49,7 @@ from gpushare.engine.tenant_ledger import TenantLedger
 from gpushare.protocol.tenant_policy import DEFAULT_TENANT, TenantPolicy, TenantStats
 from gpushare.models.loader import return_freed_memory
 from gpushare.catalog.model_head import LoadedModel
+from gpushare.models.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.models: dict[str, ResidentModel] = {}  # mutated only on the engine thread
         self.encoders: dict[str, ResidentEncoder] = {}  # encoder models (no KV cache, no scheduler)
+        self.adapter_bases: dict[str, str] = {}  # LoRA adapter model -> the loaded model it runs on
         self.embeds = EmbedQueue()  # embed requests taken in, first come first served
         self.ledger = TenantLedger()
         self.step_outputs = StepOutputs(self.ledger)  # requests taken in, and their outputs until the next flush
@@ -131,6 +134,7 @@ class Engine:
                 self.flush()
                 return
             resident = self.models.pop(name)
+            adapters.forget_base(self, name)
             for seq in list(resident.scheduler.running) + list(resident.scheduler.waiting):
                 self.step_outputs.finish(resident, seq, "abort",
                                          error=f"the request was cancelled: model {name!r} was unloaded")
@@ -138,6 +142,13 @@ class Engine:
             self.flush()
 
         self._run_on_engine(remove)
+
+    def add_adapter(self, name: str, base: str, adapter: LoraAdapter) -> None:
+        """Serve LoRA ``adapter`` as model ``name`` on loaded model ``base`` (engine/adapters.py)."""
+        self._run_on_engine(lambda: adapters.attach(self, name, base, adapter))
+
+    def remove_adapter(self, name: str) -> None:
+        self._run_on_engine(lambda: adapters.detach(self, name))
 
     def set_share_weight(self, name: str, share_weight: float) -> None:
         """Change a loaded model's share of engine steps (live; applied before the next step, not awaited)."""
@@ -171,10 +182,12 @@ class Engine:
     def submit(self, request: GenerationRequest, on_output: Callable[[RequestOutput], None]) -> str:
         """Queue ``request`` (its limits fixed by request.check_request); ``on_output`` gets its outputs on
         the engine thread. KeyError if its model is not loaded; ValueError if its grammar does not compile."""
-        resident = self.models.get(request.model)
+        base, adapter = adapters.resolve(self, request.model)
+        resident = self.models.get(base)
         if resident is None:
             raise KeyError(f"model {request.model!r} is not loaded")
-        seq = new_sequence(resident.loaded, request, on_output)
+        seq = new_sequence(resident.loaded, replace(request, model=base), on_output)
+        seq.adapter = adapter
         self._put_work(AddSequence(seq))
         return seq.request_id
 
@@ -197,6 +210,7 @@ class Engine:
 
     def _limits(self, model_name: str, tenant: str):
         """(the model's ModelLimits, the tenant's kv_limit in bytes), from the latest snapshot."""
+        model_name = adapters.resolve(self, model_name)[0]
         resident = self.models.get(model_name) or self.encoders.get(model_name)
         stats = self.snapshot.stats.models.get(model_name)
         if resident is None or stats is None:

@@ -249,8 +249,13 @@ class BlockPool:
         return table, (block_table[full], fresh)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def _scope(self, tenant: str) -> str | None:
-        return None if self.prefix_scope == "off" else (tenant if self.prefix_scope == "tenant" else "")
+    def _scope(self, seq) -> str | None:
+        """Which cached blocks ``seq`` may share: its tenant's (or everyone's), and only of its own adapter,
+        since an adapter changes every layer's K and V."""
+        if self.prefix_scope == "off":
+            return None
+        scope = seq.tenant if self.prefix_scope == "tenant" else ""
+        return scope if seq.adapter is None else f"{scope}\x00adapter:{seq.adapter}"
 
     def match_prefix(self, seq) -> int:
         """Reuse cached blocks for ``seq``'s leading full prompt blocks; returns tokens reused.
@@ -258,7 +263,7 @@ class BlockPool:
         The last prompt token is always computed, since its logits pick the first new token. A
         sequence that asked for prompt logprobs computes its whole prompt: each row scores a token.
         """
-        scope = self._scope(seq.tenant)
+        scope = self._scope(seq)
         if scope is None or seq.num_computed or seq.block_table or seq.prompt_logprobs is not None:
             return 0
         tokens = seq.all_ids
@@ -278,7 +283,7 @@ class BlockPool:
 
     def register_full_blocks(self, seq) -> None:
         """Publish the blocks ``seq`` has filled since the last call, so later prompts can reuse them."""
-        scope = self._scope(seq.tenant)
+        scope = self._scope(seq)
         if scope is None:
             return
         tokens = seq.all_ids

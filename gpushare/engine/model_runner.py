@@ -48,12 +48,15 @@ class ModelRunner:
                        key=lambda i: 0 if chunks[i] >= WIDE_CHUNK_TOKENS else 1 if chunks[i] > 1 else 2)
         ids, positions, slots = [], [], []
         prefill_tables, cu_seqlens, prefill_lens, decode_tables, decode_lens = [], [0], [], [], []
-        last_rows = {}
+        last_rows, lora_slots = {}, []
+        adapters = self.loaded.model.adapters if any(s.adapter is not None for s in seqs) else None
         for i in order:
             seq, chunk = seqs[i], chunks[i]
             start, end = seq.num_computed, seq.num_computed + chunk
             table = seq.block_table
             ids.extend(seq.all_ids[start:end])
+            if adapters is not None:
+                lora_slots.extend([adapters.slot(seq.adapter)] * chunk)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_rows[i] = len(ids) - 1
@@ -74,6 +77,7 @@ class ModelRunner:
             decode_block_tables=_padded(decode_tables, dev),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
             wide_rows=sum(c for c in chunks if c >= WIDE_CHUNK_TOKENS),
+            lora_slots=torch.tensor(lora_slots, dtype=torch.int32, device=dev) if adapters is not None else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), batch, last_rows

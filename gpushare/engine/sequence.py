@@ -32,6 +32,7 @@ class Sequence:
     max_tokens: int = 0
     priority: str | None = None  # this request's own (a trusted gateway's objective); None: its tenant's
     fair_group: str = ""  # a fair-share group inside the tenant (a trusted gateway's fairness id)
+    adapter: str | None = None  # the LoRA adapter model it runs with on model_name (engine/adapters.py); None: the base
     arrival_s: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

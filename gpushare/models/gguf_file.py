@@ -50,7 +50,7 @@ def _hf_name(gguf_name: str, gate_up_fused: bool = False) -> str | None:
     return None
 
 
-def _unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
+def unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     """Row order undoing llama.cpp's Q/K permutation (it interleaves each head's rotary halves into pairs)."""
     return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
@@ -108,7 +108,7 @@ def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, pe
             raise GGUFError(f"{path}: cannot read tensor {tensor.name} ({tensor.tensor_type.name}): {e}") from e
         if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
-            value = permute_rows(value, _unpermute_order(shape[0], heads))
+            value = permute_rows(value, unpermute_order(shape[0], heads))
         state[name] = value.contiguous() if isinstance(value, torch.Tensor) else value
         done += int(tensor.n_bytes)
         if progress is not None:

@@ -30,8 +30,6 @@ from gpushare.models.int8_wide import int8_wide_matmul
 from gpushare.models.quantized import Int4Weight, Int8Weight
 
 
-
-
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -41,10 +39,18 @@ class Linear(nn.Module):
         self.format = "dense"  # dense | onednn | int8 | int4
         self.blocks = False  # int8 or int4 packed for kernels/cpu_qmatmul
         self.group_size = 0
+        self.lora = None  # the loaded LoRA adapters' stacks (models/lora_table.LinearLora), None without any
 
-    def forward(self, x, wide_rows: int = 0):
+    def forward(self, x, wide_rows: int = 0, lora_slots: torch.Tensor | None = None):
         """``wide_rows``: rows ``[0, wide_rows)`` belong to wide prefill chunks (cpu_kernels.WIDE_CHUNK_TOKENS
-        tokens or more), which int8 weights on the CPU may compute on dequantized bfloat16 weights."""
+        tokens or more), which int8 weights on the CPU may compute on dequantized bfloat16 weights.
+        ``lora_slots [rows]`` int32: each row's adapter slot (-1: none), added after the base product."""
+        y = self._base(x, wide_rows)
+        if self.lora is not None and lora_slots is not None:
+            self.lora.apply(y, x, lora_slots)
+        return y
+
+    def _base(self, x, wide_rows: int):
         kind = self.format
         if kind == "dense":
             w = self.weight  # bfloat16 weights under float32 activations: compute in the weights' dtype

@@ -17,6 +17,7 @@ from gpushare import kernels
 from gpushare.models import fused_decode
 from gpushare.catalog.model_config import ROPE_TYPES, ModelConfig, longrope_attention_factor, rope_type
 from gpushare.models.linear import Embedding, Linear, linear_bytes
+from gpushare.models.lora_table import AdapterTable
 from gpushare.models.quantized import Int8Weight, stack_rows
 
 
@@ -30,6 +31,7 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor   # [D, W] int32
     decode_context_lens: torch.Tensor   # [D] int32, current token included
     wide_rows: int = 0                  # rows [0, wide_rows): wide prefill chunks (Linear.forward)
+    lora_slots: torch.Tensor | None = None  # [T] int32: each row's adapter slot (-1: the base); None: no adapter
     _rows: tuple | None = field(default=None, repr=False, compare=False)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +158,11 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch):
-        q = self._rope_and_cache(self.qkv_proj(x, batch.wide_rows), cos, sin, kv_cache, batch)
+        q = self._rope_and_cache(self.qkv_proj(x, batch.wide_rows, batch.lora_slots), cos, sin, kv_cache, batch)
         k_cache, v_cache = kv_cache
         out = kernels.attention_by_row(q, k_cache, v_cache, *batch.rows(), self.scale, self.window, self.softcap)
         if out is not None:
-            return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows)
+            return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows, batch.lora_slots)
         p = batch.num_prefill_tokens
         parts = []
         if p:
@@ -171,7 +173,7 @@ class Attention(nn.Module):
             parts.append(kernels.decode_attention(q[p:], k_cache, v_cache, batch.decode_block_tables,
                                                   batch.decode_context_lens, self.scale, self.window, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows)
+        return self.o_proj(out.reshape(-1, self.q_size), batch.wide_rows, batch.lora_slots)
 
     def _rope_and_cache(self, qkv, cos, sin, kv_cache, batch: AttentionBatch):
         """The queries ``[T, Hq, D]`` after RoPE; this step's keys (after RoPE) and values go to the cache."""
@@ -195,13 +197,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = config.hidden_act
 
-    def forward(self, x, wide_rows: int = 0):
-        gate, up = self.gate_up_proj(x, wide_rows).chunk(2, dim=-1)
+    def forward(self, x, wide_rows: int = 0, lora_slots: torch.Tensor | None = None):
+        gate, up = self.gate_up_proj(x, wide_rows, lora_slots).chunk(2, dim=-1)
         if self.act == "silu":
             gate = F.silu(gate)
         else:
             gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
-        return self.down_proj(gate * up, wide_rows)
+        return self.down_proj(gate * up, wide_rows, lora_slots)
 
 
 class DecoderLayer(nn.Module):
@@ -226,7 +228,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norm:
             h = self.attn_output_norm(h)
         normed, x = self.post_attention_layernorm(x, residual=h)
-        h = self.mlp(normed, state.batch.wide_rows)
+        h = self.mlp(normed, state.batch.wide_rows, state.batch.lora_slots)
         if self.reduce is not None:
             h = self.reduce(h)
         if self.sandwich_norm:
@@ -249,10 +251,19 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_local", None, persistent=False)
         self.fused_decode = True  # steps may run a few layers a C++ call (models/fused_decode.py)
         self._decode_weights: fused_decode.DecodeWeights | None | bool = False  # False: not gathered yet
+        self.adapters: AdapterTable | None = None  # its LoRA adapters, once one is loaded (lora_table.py)
 
     def _apply(self, fn, recurse=True):
         self._decode_weights = False  # the gathered weights are the old tensors
-        return super()._apply(fn, recurse)
+        moved = super()._apply(fn, recurse)
+        if self.adapters is not None:  # the stacks are plain tensors: rebuilt on the model's new device
+            self.adapters.rebuild()
+        return moved
+
+    def adapter_table(self, base_name: str) -> AdapterTable:
+        if self.adapters is None:
+            self.adapters = AdapterTable(self, base_name)
+        return self.adapters
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, batch: AttentionBatch):
@@ -282,7 +293,8 @@ class LlamaModel(nn.Module):
         only writes its own tokens' cache slots. Where the model allows, a few layers run a call
         (models/fused_decode.py), and the pass may pause between two calls.
         """
-        if self.fused_decode and state.next_layer < len(self.layers):
+        # the fused layers have no adapters: a step with adapter rows runs layer by layer
+        if self.fused_decode and state.batch.lora_slots is None and state.next_layer < len(self.layers):
             if self._decode_weights is False:
                 self._decode_weights = fused_decode.decode_weights(self)
             if self._decode_weights is not None:
