@@ -74,6 +74,24 @@ def save_hf_model(arch: str, folder: str, tokenizer_gguf: str, seed: int = 0, **
     return folder
 
 
+def rename_added_tokens(folder: str, names: dict[int, str], special: bool) -> None:
+    """Turn the folder's added tokens ``names`` (id -> new text) into the tokens a model family needs
+    (<think>, gpt-oss's channel markers), in tokenizer.json's vocabulary and its added tokens."""
+    path = os.path.join(folder, "tokenizer.json")
+    spec = json.load(open(path))
+    for token_id, name in names.items():
+        added = spec["added_tokens"][token_id]
+        spec["model"]["vocab"][name] = spec["model"]["vocab"].pop(added["content"])
+        added.update(content=name, special=special)
+    json.dump(spec, open(path, "w"))
+
+
+def update_json(folder: str, name: str, changes: dict) -> None:
+    """Set ``changes`` in the folder's JSON file ``name`` (config.json, tokenizer_config.json)."""
+    path = os.path.join(folder, name)
+    json.dump({**json.load(open(path)), **changes}, open(path, "w"))
+
+
 def _perturbed(model):
     """Noise on every weight (norms too): weights big enough to give decisive logits, and norms
     that are not all ones, so a norm read wrong shows."""

@@ -8,14 +8,12 @@ is spent), so what transformers generates greedily with ``</think>`` put in at t
 there, must equal the thinking and the answer each dialect returns.
 """
 
-import json
-import os
 
 import anthropic
 import openai
 import pytest
 import torch
-from arch_models import save_hf_model
+from arch_models import rename_added_tokens, save_hf_model, update_json
 from daemon_fixture import http, serving
 
 THINKER = "thinker"
@@ -32,16 +30,8 @@ TEMPLATE = (
 
 def _make_thinker(folder: str, tokenizer_gguf: str) -> str:
     save_hf_model("qwen3", folder, tokenizer_gguf, seed=3)
-    path = os.path.join(folder, "tokenizer.json")
-    spec = json.load(open(path))
-    for token_id, name in ((8, "<think>"), (CLOSE_ID, "</think>")):
-        added = spec["added_tokens"][token_id]
-        spec["model"]["vocab"][name] = spec["model"]["vocab"].pop(added["content"])
-        added.update(content=name, special=False)
-    json.dump(spec, open(path, "w"))
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = json.load(open(config_path))
-    json.dump({**config, "chat_template": TEMPLATE}, open(config_path, "w"))
+    rename_added_tokens(folder, {8: "<think>", CLOSE_ID: "</think>"}, special=False)
+    update_json(folder, "tokenizer_config.json", {"chat_template": TEMPLATE})
     return folder
 
 

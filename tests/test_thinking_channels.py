@@ -11,13 +11,12 @@ segment, must equal the thinking and the answer each dialect returns.
 
 import base64
 import json
-import os
 
 import anthropic
 import openai
 import pytest
 import torch
-from arch_models import save_hf_model
+from arch_models import rename_added_tokens, save_hf_model, update_json
 from daemon_fixture import http, serving
 from test_thinking import MESSAGES, forced_call_follows_the_thinking
 
@@ -38,17 +37,9 @@ TEMPLATE = (
 
 def _make_model(folder: str, tokenizer_gguf: str) -> str:
     save_hf_model("qwen3", folder, tokenizer_gguf, seed=3)
-    path = os.path.join(folder, "tokenizer.json")
-    spec = json.load(open(path))
-    for token_id, name in HARMONY.items():
-        added = spec["added_tokens"][token_id]
-        spec["model"]["vocab"][name] = spec["model"]["vocab"].pop(added["content"])
-        added.update(content=name, special=True)
-    json.dump(spec, open(path, "w"))
-    for name, extra in (("tokenizer_config.json", {"chat_template": TEMPLATE}),
-                        ("config.json", {"max_position_embeddings": CONTEXT})):
-        config = json.load(open(os.path.join(folder, name)))
-        json.dump({**config, **extra}, open(os.path.join(folder, name), "w"))
+    rename_added_tokens(folder, HARMONY, special=True)
+    update_json(folder, "tokenizer_config.json", {"chat_template": TEMPLATE})
+    update_json(folder, "config.json", {"max_position_embeddings": CONTEXT})
     return folder
 
 
