@@ -66,7 +66,8 @@ class ModelConfig:
     final_softcap: float | None = None  # the same on the logits
     layer_windows: list[int] = field(default_factory=list)  # per layer: sliding window in tokens, 0 = global
     rope_theta_local: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
-    lm_head_rows: int | None = None  # tensor parallel: this rank's slice of the vocabulary; None: all of it
+    # The LM head's rows: a tensor-parallel rank's slice of the vocabulary, or 2 (yes_no_head); None: all.
+    lm_head_rows: int | None = None
     # The LM head holds the "yes" and "no" rows only, in that order: a GGUF LLM reranker's cls.output, as
     # llama.cpp's converter writes Qwen3-Reranker (pooling_type 4, classifier.output_labels [yes, no]).
     yes_no_head: bool = False
