@@ -122,8 +122,8 @@ def check_line(report, kernel, case, err, tol, has_nan):
 
 @functools.cache
 def kernel_module(name):
-    """``kernels/<name>.py`` of this checkout, imported by path (needs only torch and triton)."""
-    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", ROOT / "kernels" / f"{name}.py")
+    """``gpushare/kernels/<name>.py`` of this checkout, imported by path (needs only torch and triton)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_check_{name}", ROOT / "gpushare" / "kernels" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -239,11 +239,10 @@ def smollm2_path():
 
 
 def import_gpushare():
-    """The gpushare package: the installed one, or else this checkout's, laid out as pyproject's
-    package-dir says (``kernels/`` is ``gpushare.kernels``)."""
+    """The gpushare package: the installed one, or else this checkout's."""
     if importlib.util.find_spec("gpushare") is None:
         spec = importlib.util.spec_from_file_location(
-            "gpushare", ROOT / "gpushare" / "__init__.py", submodule_search_locations=[str(ROOT / "gpushare"), str(ROOT)])
+            "gpushare", ROOT / "gpushare" / "__init__.py", submodule_search_locations=[str(ROOT / "gpushare")])
         package = importlib.util.module_from_spec(spec)
         sys.modules["gpushare"] = package
         spec.loader.exec_module(package)

@@ -13,7 +13,7 @@
   all of it), counted over the request, next to an idle window as long (what runs anyway).
 
 Imports are read with ``ast`` (nothing is imported), those inside functions included, as
-tests/test_import_rule.py reads them; ``kernels/`` counts as ``gpushare.kernels``.
+tests/test_import_rule.py reads them; an older checkout's top-level ``kernels/`` counts as ``gpushare.kernels``.
 
     .venv/bin/python benchmarks/layout_counts.py [--repo DIR] [--trace-chat]
 """

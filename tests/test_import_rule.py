@@ -29,13 +29,11 @@ EXCEPTIONS = {
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] == "kernels":  # installed as gpushare.kernels (pyproject.toml's package-dir)
-        parts.insert(0, "gpushare")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_modules() -> dict[str, Path]:
-    return {module_name(p): p for folder in ("gpushare", "kernels") for p in sorted((ROOT / folder).rglob("*.py"))}
+    return {module_name(p): p for folder in ("gpushare",) for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
