@@ -146,7 +146,7 @@ def test_rms_norm_with_and_without_the_residual():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_rope_and_cache_is_the_torch_path_bit_for_bit(cache_dtype):
     from gpushare import kernels
-    from gpushare.models.llama import apply_rope
+    from gpushare.models.rope import apply_rope
 
     gen = torch.Generator().manual_seed(7)
     q_heads, kv_heads, dim, tokens, blocks, block_size = 9, 3, 64, 21, 8, 16

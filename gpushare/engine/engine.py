@@ -27,7 +27,7 @@ import torch
 
 from gpushare.protocol.engine_config import EngineConfig
 from gpushare.engine import adapters
-from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake, refuse
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake, handle_item, refuse
 from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed
 from gpushare.engine.embed_queue import EmbedQueue
 from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
@@ -352,41 +352,12 @@ class Engine:
 
     def _handle(self, item) -> None:
         try:
-            self._handle_item(item)
+            handle_item(self, item)
         except Exception as e:  # the item's own request fails, not the loop
             log.exception("engine: handling a %s failed", type(item).__name__)
             if isinstance(item, AddSequence):
                 self.requests.pop(item.seq.request_id, None)
             refuse(item, f"the engine could not take this request in: {type(e).__name__}: {e}", self.step_outputs)
-
-    def _handle_item(self, item) -> None:
-        if isinstance(item, AddSequence):
-            seq = item.seq
-            resident = self.models.get(seq.model_name)
-            if resident is None:
-                self.step_outputs.emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
-                                              f"model {seq.model_name!r} was unloaded"))
-                return
-            self.requests[seq.request_id] = seq
-            if not resident.scheduler.has_work():
-                # Idle time is no credit: a model that turns busy starts level with the busy ones.
-                busy = [w.virtual_steps for w in self.models.values() if w.scheduler.has_work()]
-                resident.virtual_steps = max(resident.virtual_steps, min(busy, default=0.0))
-            resident.scheduler.add(seq)
-        elif isinstance(item, Cancel):
-            seq = self.requests.get(item.request_id)
-            if seq is not None and seq.model_name in self.models:
-                for answer in [seq, *seq.forks]:  # n > 1: every answer goes
-                    self.step_outputs.finish(self.models[seq.model_name], answer, "abort")
-            self.embeds.cancel(item.request_id)
-        elif isinstance(item, EmbedInputs):
-            name = item.pending.model_name
-            self.embeds.take(item.pending, name in self.models or name in self.encoders)
-        elif isinstance(item, Call):
-            try:
-                item.future.set_result(item.fn())
-            except Exception as e:
-                item.future.set_exception(e)
 
     def _pick_model(self) -> ResidentModel | None:
         busy = [w for w in self.models.values() if w.scheduler.has_work()]

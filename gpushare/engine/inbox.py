@@ -15,9 +15,10 @@ from gpushare.engine.embed_queue import settle
 from gpushare.engine.sequence import Sequence
 from gpushare.engine.step_outputs import StepOutputs
 from gpushare.protocol.messages import Cancel
+from gpushare.protocol.outputs import RequestOutput
 from gpushare.protocol.request import EngineFailed
 
-__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake", "refuse"]
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake", "handle_item", "refuse"]
 
 
 @dataclass
@@ -51,3 +52,34 @@ def refuse(item, reason: str, step_outputs: StepOutputs) -> None:
         settle(item.pending.future, error=EngineFailed(reason))
     elif isinstance(item, Call) and not item.future.done():
         item.future.set_exception(EngineFailed(reason))
+
+
+def handle_item(engine, item) -> None:
+    """On the engine thread: act on one inbox item (engine.Engine._handle fails its request if this raises)."""
+    if isinstance(item, AddSequence):
+        seq = item.seq
+        resident = engine.models.get(seq.model_name)
+        if resident is None:
+            engine.step_outputs.emit(seq, RequestOutput(seq.request_id, "", [], True, "error",
+                                          f"model {seq.model_name!r} was unloaded"))
+            return
+        engine.requests[seq.request_id] = seq
+        if not resident.scheduler.has_work():
+            # Idle time is no credit: a model that turns busy starts level with the busy ones.
+            busy = [w.virtual_steps for w in engine.models.values() if w.scheduler.has_work()]
+            resident.virtual_steps = max(resident.virtual_steps, min(busy, default=0.0))
+        resident.scheduler.add(seq)
+    elif isinstance(item, Cancel):
+        seq = engine.requests.get(item.request_id)
+        if seq is not None and seq.model_name in engine.models:
+            for answer in [seq, *seq.forks]:  # n > 1: every answer goes
+                engine.step_outputs.finish(engine.models[seq.model_name], answer, "abort")
+        engine.embeds.cancel(item.request_id)
+    elif isinstance(item, EmbedInputs):
+        name = item.pending.model_name
+        engine.embeds.take(item.pending, name in engine.models or name in engine.encoders)
+    elif isinstance(item, Call):
+        try:
+            item.future.set_result(item.fn())
+        except Exception as e:
+            item.future.set_exception(e)
