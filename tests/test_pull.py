@@ -178,6 +178,36 @@ def test_two_pulls_of_one_name_share_one_download(registry, tmp_path):
     assert len(registry.blob_requests(manifest["layers"][0]["digest"])) == 1
 
 
+def test_a_cancelled_pull_stops_writing_at_once_and_the_next_one_resumes(registry, tmp_path):
+    """The ranges run on a loop of their own in a low-priority thread: cancelling the pull (a daemon
+    stopping) must end them there too, the partial state saved, before the cancel returns."""
+    data = blob(12)
+    digest = registry.add_model("library", "tiny", "q4", data)["layers"][0]["digest"]
+    registry.bytes_per_s = 2 << 20  # ~1.5 s for the blob: the cancel lands mid-way
+
+    async def cancelled_mid_blob():
+        p = Pull(parse_name(f"{registry.host}/library/tiny:q4", insecure=True))
+        task = asyncio.ensure_future(run_pull(p, tmp_path))
+        while not [layer for layer in p.layers if layer.digest == digest and layer.completed >= 512 << 10]:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sum(r.sent for r in registry.blob_requests(digest))
+
+    sent_at_cancel = asyncio.run(cancelled_mid_blob())
+    written = blob_store.read_partial(tmp_path, digest, len(data)).written
+    assert 512 << 10 <= written < len(data)
+    asyncio.run(asyncio.sleep(1.2))  # a range still running in its thread would go on (and save, every 1 s)
+    assert blob_store.read_partial(tmp_path, digest, len(data)).written == written
+    assert sum(r.sent for r in registry.blob_requests(digest)) <= sent_at_cancel + (256 << 10)
+    registry.bytes_per_s = None
+    pull(registry, tmp_path)
+    resumed = registry.blob_requests(digest)[-1]
+    assert resumed.range == f"bytes={written}-{len(data) - 1}" and resumed.sent == len(data) - written
+    assert blob_store.blob_path(tmp_path, digest).read_bytes() == data
+
+
 def test_a_full_disk_ends_the_pull_and_leaves_no_partial(registry, tmp_path, monkeypatch):
     mount = tmp_path / "small"
     mount.mkdir()

@@ -5,9 +5,11 @@ Ollama does: one connection rarely fills a fast link). Each range goes on from i
 written byte: a cut connection is retried with `Range` from there, after a backoff that
 doubles up to MAX_BACKOFF_S, and MAX_RETRIES failures in a row without a byte end the pull.
 How much of each range is written is saved (blob_store.Partial) every SAVE_EVERY_S, so a
-daemon that restarts resumes too. The bytes are written at their offsets with `pwrite`:
-page-cache writes of at most CHUNK_BYTES, cheap enough for the event loop; hashing the
-whole blob runs in a lowest-priority thread (low_priority.py). A full disk ends the pull, deleting the partial.
+daemon that restarts resumes too. The ranges are fetched on an event loop and connections of
+their own in a lowest-priority thread (low_priority.run_low_loop), so the daemon's loop, which
+answers the API, never handles a blob's bytes; they are written at their offsets with `pwrite`.
+Hashing the whole blob runs in a lowest-priority thread too. A full disk ends the pull, deleting
+the partial.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import aiohttp
 
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_store import Partial, StoreError
-from gpushare.catalog.low_priority import run_low
-from gpushare.catalog.registry_client import Remote, RegistryError, open_blob
+from gpushare.catalog.low_priority import run_low, run_low_loop
+from gpushare.catalog.registry_client import Remote, RegistryError, new_session, open_blob
 
 PART_MIN_BYTES = 16 << 20
 MAX_PARTS = 8
@@ -115,6 +117,15 @@ async def _all_or_none(coroutines) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _fetch_ranges(remote: Remote, digest: str, fd: int, partial: Partial, progress: LayerProgress,
+                        saver: _Saver, root: Path) -> None:
+    """Every unfinished range at once, through a session of this thread's loop (a session belongs to
+    the loop that made it) with the authorization the pull's own session earned."""
+    async with new_session() as session:
+        here = Remote(remote.name, session, dict(remote.headers))
+        await _all_or_none(_fetch_range(here, digest, fd, rng, progress, saver, root) for rng in partial.ranges)
+
+
 async def download(remote: Remote, root: Path, digest: str, progress: LayerProgress) -> None:
     """Bring the blob's bytes into its partial file (its SHA-256 is checked by commit, after)."""
     size = progress.total
@@ -127,7 +138,7 @@ async def download(remote: Remote, root: Path, digest: str, progress: LayerProgr
     saver = _Saver(root, digest, partial)
     try:
         saver.tick(force=True)
-        await _all_or_none(_fetch_range(remote, digest, fd, rng, progress, saver, root) for rng in partial.ranges)
+        await run_low_loop(lambda: _fetch_ranges(remote, digest, fd, partial, progress, saver, root))
     except StoreError:  # the disk: nothing of it is worth keeping
         os.close(fd)
         fd = -1
