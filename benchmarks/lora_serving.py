@@ -154,6 +154,7 @@ async def drive(url: str, models: list[str], rounds: int, output_tokens: int, se
         for i, model in enumerate(models)))
     duration_s = time.perf_counter() - t0
     # Each run_benchmark times from its own start; a request's TTFT is a difference within one of them.
+    # Its requests keep no end_s (the usage chunk): the last output chunk stands for it.
     timelines = [RequestTimeline(start_s=r["start_s"], chunk_times_s=r["chunk_times_s"],
                                  end_s=(r["chunk_times_s"] or [r["start_s"]])[-1], output_tokens=r["output_tokens"],
                                  prompt_tokens=r["prompt_tokens"], success=r["success"], error=r["error"])
@@ -198,7 +199,7 @@ def measure_way(way: str, args, gguf: str, run_dir: str) -> dict:
         row["metrics"] = metrics
         print(f"    {metrics['output_throughput_tok_s']:.1f} tok/s, TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms, "
               f"RSS {row['rss_bytes'] / MiB:.0f} MiB", file=sys.stderr, flush=True)
-    except RuntimeError as exc:  # one way's failure (say, a daemon without adapter entries) keeps the others
+    except (RuntimeError, OSError) as exc:  # one way's failure (a daemon without adapter entries) keeps the others
         row["error"] = str(exc)
         print(f"    ({way}) failed: {exc}", file=sys.stderr, flush=True)
     finally:
