@@ -7,7 +7,8 @@ by name, at 1 and 2 threads, so that the builds' outputs can be compared bit for
 The cases: the block kernel (int8 and int4 weights, float16 and float32 group scales, 1 to 17 rows,
 the SIMD kernel and the in-build portable one); decode and prefill attention over float32, bfloat16
 and int8 caches, head dims 24, 48, 64, 80 and 128, GQA groups 1, 3 and 8, windows and soft caps;
-RMSNorm with and without the residual; RoPE with the cache write; and the fused decode of two layers.
+RMSNorm with and without the residual; RoPE with the cache write; batched LoRA (tests/lora_cases.py);
+and the fused decode of two layers.
 Inputs are random but seeded, and every cache row holds data (no NaN): equal outputs are equal bits.
 """
 
@@ -15,6 +16,7 @@ import sys
 
 import torch
 
+import lora_cases
 from gpushare import kernels
 from gpushare.kernels import cpu_ops, cpu_qmatmul
 from gpushare.kernels.paged_attention_torch import Int8KV
@@ -117,6 +119,11 @@ def rope(qkv, trig, slots, kind, shape, q_heads, kv_heads) -> torch.Tensor:
     return torch.cat([p.double().flatten() for p in parts])
 
 
+def lora_apply_cases():
+    for case in lora_cases.cases():
+        yield case.name, lambda case=case: case.run(torch.ops.gpushare.lora_apply)
+
+
 def decode_layers_cases(gen: torch.Generator):
     """Two layers (int8, then int4 weights) of hidden 192, 3 query heads and 1 KV head of 64, MLP 256."""
     hidden, q_heads, kv_heads, dim, mlp = 192, 3, 1, 64, 256
@@ -148,7 +155,8 @@ def main(path: str) -> int:
     assert cpu_ops.loaded(), "the C++ kernels did not build"
     outputs = {"isa": cpu_ops.isa(), "block_kernel": torch.ops.gpushare.quantized_matmul_kernel(), "cases": {}}
     gen = torch.Generator().manual_seed(0)
-    cases = [*matmul_cases(gen), *attention_cases(gen), *norm_and_rope_cases(gen), *decode_layers_cases(gen)]
+    cases = [*matmul_cases(gen), *attention_cases(gen), *norm_and_rope_cases(gen), *lora_apply_cases(),
+             *decode_layers_cases(gen)]
     with torch.inference_mode():
         for threads in THREADS:
             torch.set_num_threads(threads)

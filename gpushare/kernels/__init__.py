@@ -3,7 +3,8 @@
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
 forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU attention runs the C++ kernel
 (cpu_ops.py) where it builds, a prompt's rows one by one as decode rows, as do RMSNorm and RoPE with
-the cache write on float32 rows, and the torch path runs otherwise (or with ``GPUSHARE_KERNELS=torch``).
+the cache write on float32 rows and LoRA on float32 or bfloat16 rows, and the torch path runs otherwise
+(or with ``GPUSHARE_KERNELS=torch``).
 Nothing above this package knows which one ran.
 """
 
@@ -156,8 +157,21 @@ def int4_weight_matmul(x, qweight, scales, mins, group_size):
 
 def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
     """Add each row's own adapter product to ``y [rows, out]`` in place (kernels/lora_torch.py has the
-    layout); ``y`` may be a column slice of a fused projection's output, which the kernel gets whole."""
+    layout); ``y`` may be a column slice of a fused projection's output, which the Triton and C++
+    kernels take as it is (the torch path through a copy)."""
+    if _use_triton(y):
+        return _ops(y, _lora_torch).lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
+    if _cpp_lora(y, x):
+        torch.ops.gpushare.lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
+        return y
     if y.is_contiguous():
         return _lora_torch.lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
     y.copy_(_lora_torch.lora_apply(y.contiguous(), x, a_stack, b_stack, slot_of_row, scale_of_slot))
     return y
+
+
+def _cpp_lora(y, x) -> bool:
+    """Whether the C++ LoRA kernel (cpu_lora.cpp) takes float32 or bfloat16 ``y`` and ``x`` on the CPU."""
+    dtypes = (torch.float32, torch.bfloat16)
+    return (not y.is_cuda and y.dtype in dtypes and x.dtype in dtypes and y.dim() == 2 and y.stride(1) == 1
+            and cpu_kernels_run())
