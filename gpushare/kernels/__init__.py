@@ -82,10 +82,13 @@ def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_ca
     return True
 
 
-def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int):
+def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int,
+                  lora_a=(), lora_b=(), lora_slots=None, lora_scales=None):
     """Decode rows ``x`` through layers ``first_layer`` to ``first_layer + len(kv_caches)`` in one C++ call
     (cpu_decode.cpp), given the model's ``weights`` (gpushare.models.fused_decode.DecodeWeights) and
-    those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them."""
+    those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them. With
+    adapters, ``lora_a``/``lora_b`` hold every layer's stacks (lora_torch.py's layout), seven a layer
+    (q, k, v, o, gate, up, down), ``lora_slots`` each row's slot and ``lora_scales`` each slot's scale."""
     if not (kv_caches and cos.dtype == torch.float32 and _cpp_cache(x, kv_caches[0][0])):
         return None
     k_parts = [_cache_parts(k) for k, _ in kv_caches]
@@ -96,7 +99,8 @@ def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, c
         x, weights.norms[n], weights.codes[w], weights.scales[w], weights.mins[w], weights.out_features[w],
         [p[0] for p in k_parts], [p[0] for p in v_parts], [p[1] for p in k_parts], [p[1] for p in v_parts],
         cos, sin, slot_mapping, block_tables, context_lens, weights.q_heads, weights.kv_heads, weights.eps,
-        weights.attn_scale, weights.windows[first_layer:end], weights.softcap)
+        weights.attn_scale, weights.windows[first_layer:end], weights.softcap, lora_a[7 * first_layer:7 * end],
+        lora_b[7 * first_layer:7 * end], lora_slots, lora_scales)
 
 
 def prepare_cpu() -> None:
