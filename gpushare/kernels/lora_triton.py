@@ -4,8 +4,9 @@ Same function and layout as ``lora_torch`` (see its docstring). A gathered shrin
 S-LoRA's and Punica's): the grid is (row, output tile); each program loads its row's slot, computes
 ``x[t] . A[s]ᵀ`` over the rank (BLOCK_K columns of x at a time) and then that ``· B[s]ᵀ`` for its
 BLOCK_N output columns, scales and adds it to ``y``. Rows of slot -1 load and store nothing. The
-shrink is redone by each of a row's output tiles: it is rank x in multiply-adds, which cost less
-than a second launch and a round trip of the shrunk rows through memory at decode sizes.
+shrink is redone by each of a row's output tiles: rank x in multiply-adds, traded for a second
+launch and a round trip of the shrunk rows through memory. Not yet run on a GPU, only under the
+interpreter: the trade and the tile sizes are a first guess, untimed.
 
 ``y`` may be a column slice of a wider tensor (its row stride is passed), so the fused projections'
 outputs take adapters in place. Numerics as the reference: fp32 sums, the delta rounded to ``y``'s
