@@ -1,8 +1,9 @@
 """The C++ CPU kernels built for each instruction set this machine runs (kernels/cpu_ops.py:
 ``GPUSHARE_CPU_ISA=avx512|avxvnni|avx2|portable``) give the portable build's bits: every kernel, on
 the inputs of tests/isa_battery.py (float32, bfloat16 and int8 caches, head dims 24 to 128, windows,
-soft caps, int8 and int4 weights, the fused decode), at 1 and 2 threads. Each build runs in a process
-of its own (one build of the library a process); the ISA choice and the build key are checked here."""
+soft caps, int8 and int4 weights, batched LoRA, the fused decode with and without adapters), at 1 and
+2 threads. Each build runs in a process of its own (one build of the library a process); the ISA choice
+and the build key are checked here."""
 
 import logging
 from pathlib import Path
