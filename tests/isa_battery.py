@@ -7,14 +7,17 @@ by name, at 1 and 2 threads, so that the builds' outputs can be compared bit for
 The cases: the block kernel (int8 and int4 weights, float16 and float32 group scales, 1 to 17 rows,
 the SIMD kernel and the in-build portable one); decode and prefill attention over float32, bfloat16
 and int8 caches, head dims 24, 48, 64, 80 and 128, GQA groups 1, 3 and 8, windows and soft caps;
-RMSNorm with and without the residual; RoPE with the cache write; and the fused decode of two layers.
+RMSNorm with and without the residual; RoPE with the cache write; batched LoRA (tests/lora_cases.py);
+and the fused decode of two layers.
 Inputs are random but seeded, and every cache row holds data (no NaN): equal outputs are equal bits.
 """
 
+import functools
 import sys
 
 import torch
 
+import lora_cases
 from gpushare import kernels
 from gpushare.kernels import cpu_ops, cpu_qmatmul
 from gpushare.kernels.paged_attention_torch import Int8KV
@@ -117,12 +120,28 @@ def rope(qkv, trig, slots, kind, shape, q_heads, kv_heads) -> torch.Tensor:
     return torch.cat([p.double().flatten() for p in parts])
 
 
+def lora_apply_cases():
+    for case in lora_cases.cases():
+        yield case.name, lambda case=case: case.run(torch.ops.gpushare.lora_apply)
+
+
+def decode_adapters(hidden: int, q_width: int, kv_width: int, mlp: int, gen: torch.Generator) -> tuple:
+    """decode_layers' LoRA arguments for two layers: three rank-8 slots of q, k, v, o, gate, up and down,
+    and the slots of three rows (one of the base)."""
+    shapes = [(q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width), (mlp, hidden),
+              (mlp, hidden), (hidden, mlp)]
+    a_stacks = [torch.randn(3, 8, k, generator=gen) / 10 for _ in range(2) for _, k in shapes]
+    b_stacks = [torch.randn(3, n, 8, generator=gen) / 10 for _ in range(2) for n, _ in shapes]
+    return a_stacks, b_stacks, torch.tensor([2, -1, 0], dtype=torch.int32), torch.tensor([2.0, 0.5, 1.0])
+
+
 def decode_layers_cases(gen: torch.Generator):
     """Two layers (int8, then int4 weights) of hidden 192, 3 query heads and 1 KV head of 64, MLP 256."""
     hidden, q_heads, kv_heads, dim, mlp = 192, 3, 1, 64, 256
     shapes = [((q_heads + 2 * kv_heads) * dim, hidden), (hidden, q_heads * dim), (2 * mlp, hidden), (hidden, mlp)]
     linears = [quantized(n, k, bits, gen) for bits in (8, 4) for n, k in shapes]
     norms = [1 + torch.randn(hidden, generator=gen) / 10 for _ in range(4)]
+    adapters = decode_adapters(hidden, q_heads * dim, kv_heads * dim, mlp, gen)
     for kind in ("float32", "bfloat16", "int8"):
         lengths = [5, 40, 150]
         caches = [paged(gen, kind, 16, kv_heads, dim, lengths) for _ in range(2)]
@@ -133,22 +152,24 @@ def decode_layers_cases(gen: torch.Generator):
         trig = torch.randn(3, 2, 1, dim, generator=gen)
         x = torch.randn(3, hidden, generator=gen)
         for softcap in (0.0, 5.0):
-            def run(caches=caches, trig=trig, x=x, slots=slots, tables=tables, softcap=softcap):
+            def run(lora, caches=caches, trig=trig, x=x, slots=slots, tables=tables, softcap=softcap):
                 fresh = [tuple(None if c is None else c.clone() for c in pair) for k, v, _ in caches for pair in (k, v)]
                 k_caches, v_caches = [fresh[0][0], fresh[2][0]], [fresh[1][0], fresh[3][0]]
                 k_scales, v_scales = [fresh[0][1], fresh[2][1]], [fresh[1][1], fresh[3][1]]
                 return torch.ops.gpushare.decode_layers(
                     x, norms, [w[0] for w in linears], [w[1] for w in linears], [w[2] for w in linears],
                     [w[3] for w in linears], k_caches, v_caches, k_scales, v_scales, trig[:, 0], trig[:, 1], slots,
-                    tables, lens, q_heads, kv_heads, 1e-5, 0.125, [0, 21], softcap)
-            yield f"decode_layers {kind} softcap{softcap}", run
+                    tables, lens, q_heads, kv_heads, 1e-5, 0.125, [0, 21], softcap, *lora)
+            for lora_name, lora in [("", ([], [], None, None)), (" lora", adapters)]:
+                yield f"decode_layers {kind} softcap{softcap}{lora_name}", functools.partial(run, lora)
 
 
 def main(path: str) -> int:
     assert cpu_ops.loaded(), "the C++ kernels did not build"
     outputs = {"isa": cpu_ops.isa(), "block_kernel": torch.ops.gpushare.quantized_matmul_kernel(), "cases": {}}
     gen = torch.Generator().manual_seed(0)
-    cases = [*matmul_cases(gen), *attention_cases(gen), *norm_and_rope_cases(gen), *decode_layers_cases(gen)]
+    cases = [*matmul_cases(gen), *attention_cases(gen), *norm_and_rope_cases(gen), *lora_apply_cases(),
+             *decode_layers_cases(gen)]
     with torch.inference_mode():
         for threads in THREADS:
             torch.set_num_threads(threads)

@@ -1,19 +1,18 @@
 """The C++ CPU kernels built for each instruction set this machine runs (kernels/cpu_ops.py:
 ``GPUSHARE_CPU_ISA=avx512|avxvnni|avx2|portable``) give the portable build's bits: every kernel, on
 the inputs of tests/isa_battery.py (float32, bfloat16 and int8 caches, head dims 24 to 128, windows,
-soft caps, int8 and int4 weights, the fused decode), at 1 and 2 threads. Each build runs in a process
-of its own (one build of the library a process); the ISA choice and the build key are checked here."""
+soft caps, int8 and int4 weights, batched LoRA, the fused decode with and without adapters), at 1 and
+2 threads. Each build runs in a process of its own (one build of the library a process); the ISA choice
+and the build key are checked here."""
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpushare.kernels import cpu_ops
+from isa_runs import outputs_by_isa
 
 pytestmark = pytest.mark.skipif(cpu_ops._compiler() is None, reason="no C++ compiler here")
 
@@ -27,15 +26,7 @@ BATTERY = Path(__file__).with_name("isa_battery.py")
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict:
     """Each runnable ISA's battery outputs (built, if this machine has no such build yet, all at once)."""
-    folder = tmp_path_factory.mktemp("isa")
-    env = {k: v for k, v in os.environ.items() if k != "GPUSHARE_KERNELS"}
-    runs = {isa: subprocess.Popen([sys.executable, str(BATTERY), str(folder / f"{isa}.pt")],
-                                  env={**env, "GPUSHARE_CPU_ISA": isa}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for isa in ISAS}
-    for isa, run in runs.items():
-        log, _ = run.communicate(timeout=1800)
-        assert run.returncode == 0, f"{isa}: {log[-3000:]}"
-    return {isa: torch.load(folder / f"{isa}.pt") for isa in ISAS}
+    return outputs_by_isa(BATTERY, tmp_path_factory.mktemp("isa"))
 
 
 def test_this_machine_runs_avx2_and_portable_at_least():

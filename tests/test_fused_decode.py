@@ -1,6 +1,6 @@
 """The fused path (models/fused_decode.py, kernels/cpu_decode.cpp): a step run a few layers a C++ call,
-decode rows alone or with prompt chunks, gives the same bits as layer by layer, pauses and resumes,
-and stays out of the models it does not take."""
+decode rows alone or with prompt chunks, with LoRA adapter rows or without, gives the same bits as layer
+by layer, pauses and resumes, and stays out of the models it does not take."""
 
 import pytest
 import torch
@@ -10,10 +10,12 @@ from gpushare.kernels.paged_attention_torch import Int8KV
 from gpushare.models import fused_decode
 from gpushare.models.llama import AttentionBatch
 from gpushare.models.loader import load_model
+from gpushare.models.lora import LoraAdapter, target_shape
 from kernel_choice import use_cpu_kernel
 from model_files import random_llama_folder
 
 BLOCK_SIZE = 16
+TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 @pytest.fixture
@@ -96,6 +98,42 @@ def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, kv_dt
         batch.slot_mapping[2:3], 0, batch.prefill_block_tables, batch.prefill_cu_seqlens, batch.prefill_context_lens,
         batch.decode_block_tables[2:3], batch.decode_context_lens[2:3]))
     assert torch.equal(alone[0], got[2])  # a row's bits do not depend on its neighbours
+
+
+def random_adapter(model, name: str, rank: int, seed: int, targets=TARGETS) -> LoraAdapter:
+    """An adapter of ``rank`` on every layer's ``targets`` of ``model``, random but seeded, not small."""
+    gen = torch.Generator().manual_seed(seed)
+    adapter = LoraAdapter(name, rank, 2.0)
+    for layer in range(model.config.num_layers):
+        for target in targets:
+            out_features, in_features = target_shape(model.config, target)
+            adapter.weights[layer, target] = (torch.randn(rank, in_features, generator=gen) / 10,
+                                              torch.randn(out_features, rank, generator=gen) / 10)
+    return adapter
+
+
+@pytest.mark.usefixtures("blocks")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_step_with_adapter_rows_gives_the_layer_by_layer_bits(smollm2_path, weights, monkeypatch):
+    """Rows of two adapters (ranks 8 and 16, one on the attention alone) and a base row, in one fused call."""
+    model = load_model(smollm2_path, weights=weights).model
+    table = model.adapter_table("base")
+    table.add(random_adapter(model, "eight", 8, seed=1))
+    table.add(random_adapter(model, "sixteen", 16, seed=2, targets=["q", "k", "v", "o"]))
+    ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16])
+    batch.lora_slots = torch.tensor([0, -1, 1, 0], dtype=torch.int32)
+    calls = []
+    real = fused_decode.kernels.decode_layers
+    monkeypatch.setattr(fused_decode.kernels, "decode_layers", lambda *a, **k: calls.append(k) or real(*a, **k))
+    fused_caches = copied(caches)
+    expected = step(model, False, ids, positions, caches, batch)
+    got = step(model, True, ids, positions, fused_caches, batch)
+    assert calls and all(len(k["lora_a"]) == 7 * model.config.num_layers for k in calls)  # it took the fused call
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(flat(fused_caches), flat(caches)))
+    batch.lora_slots = None
+    base = step(model, True, ids, positions, copied(caches), batch)
+    assert torch.equal(base[1], got[1]) and not torch.equal(base[0], got[0])  # the adapters did something
 
 
 @pytest.mark.usefixtures("blocks")

@@ -3,7 +3,8 @@
 Triton kernels run when the tensors live on CUDA (or when ``GPUSHARE_KERNELS=triton``
 forces them, e.g. under ``TRITON_INTERPRET=1`` in tests); on the CPU attention runs the C++ kernel
 (cpu_ops.py) where it builds, a prompt's rows one by one as decode rows, as do RMSNorm and RoPE with
-the cache write on float32 rows, and the torch path runs otherwise (or with ``GPUSHARE_KERNELS=torch``).
+the cache write on float32 rows and LoRA on float32 or bfloat16 rows, and the torch path runs otherwise
+(or with ``GPUSHARE_KERNELS=torch``).
 Nothing above this package knows which one ran.
 """
 
@@ -81,10 +82,13 @@ def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_ca
     return True
 
 
-def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int):
+def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int,
+                  lora_a=(), lora_b=(), lora_slots=None, lora_scales=None):
     """Decode rows ``x`` through layers ``first_layer`` to ``first_layer + len(kv_caches)`` in one C++ call
     (cpu_decode.cpp), given the model's ``weights`` (gpushare.models.fused_decode.DecodeWeights) and
-    those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them."""
+    those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them. With
+    adapters, ``lora_a``/``lora_b`` hold every layer's stacks (lora_torch.py's layout), seven a layer
+    (q, k, v, o, gate, up, down), ``lora_slots`` each row's slot and ``lora_scales`` each slot's scale."""
     if not (kv_caches and cos.dtype == torch.float32 and _cpp_cache(x, kv_caches[0][0])):
         return None
     k_parts = [_cache_parts(k) for k, _ in kv_caches]
@@ -95,7 +99,8 @@ def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, c
         x, weights.norms[n], weights.codes[w], weights.scales[w], weights.mins[w], weights.out_features[w],
         [p[0] for p in k_parts], [p[0] for p in v_parts], [p[1] for p in k_parts], [p[1] for p in v_parts],
         cos, sin, slot_mapping, block_tables, context_lens, weights.q_heads, weights.kv_heads, weights.eps,
-        weights.attn_scale, weights.windows[first_layer:end], weights.softcap)
+        weights.attn_scale, weights.windows[first_layer:end], weights.softcap, lora_a[7 * first_layer:7 * end],
+        lora_b[7 * first_layer:7 * end], lora_slots, lora_scales)
 
 
 def prepare_cpu() -> None:
@@ -156,8 +161,21 @@ def int4_weight_matmul(x, qweight, scales, mins, group_size):
 
 def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
     """Add each row's own adapter product to ``y [rows, out]`` in place (kernels/lora_torch.py has the
-    layout); ``y`` may be a column slice of a fused projection's output, which the kernel gets whole."""
+    layout); ``y`` may be a column slice of a fused projection's output, which the Triton and C++
+    kernels take as it is (the torch path through a copy)."""
+    if _use_triton(y):
+        return _ops(y, _lora_torch).lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
+    if _cpp_lora(y, x):
+        torch.ops.gpushare.lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
+        return y
     if y.is_contiguous():
         return _lora_torch.lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
     y.copy_(_lora_torch.lora_apply(y.contiguous(), x, a_stack, b_stack, slot_of_row, scale_of_slot))
     return y
+
+
+def _cpp_lora(y, x) -> bool:
+    """Whether the C++ LoRA kernel (cpu_lora.cpp) takes float32 or bfloat16 ``y`` and ``x`` on the CPU."""
+    dtypes = (torch.float32, torch.bfloat16)
+    return (not y.is_cuda and y.dtype in dtypes and x.dtype in dtypes and y.dim() == 2 and y.stride(1) == 1
+            and cpu_kernels_run())

@@ -13,6 +13,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t window, double softcap);
 
+// cpu_lora.cpp
+void lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_stack, const at::Tensor& b_stack,
+                const at::Tensor& slot_of_row, const at::Tensor& scale_of_slot);
+
 // cpu_ops.cpp
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps);

@@ -1,4 +1,4 @@
-"""The CPU's C++ kernels (``cpu_attention.cpp``, ``cpu_ops.cpp``, ``cpu_qmatmul.cpp``, ``cpu_decode.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
+"""The CPU's C++ kernels (``cpu_attention.cpp``, ``cpu_ops.cpp``, ``cpu_qmatmul.cpp``, ``cpu_lora.cpp``, ``cpu_decode.cpp``): built once per machine, loaded as ``torch.ops.gpushare``.
 
 They are compiled with the system's C++ compiler for the CPU at hand against the installed torch's
 headers, a few seconds, for one instruction set (``isa``): ``avx512`` (AVX-512 with VNNI where the
@@ -27,7 +27,8 @@ import torch
 
 log = logging.getLogger("gpushare.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_qmatmul.cpp", "cpu_decode.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_qmatmul.cpp", "cpu_lora.cpp", "cpu_decode.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_rows.h", "cpu_qmatmul_256.h", "cpu_attention_256.h")]
 # -ffp-contract=off: no fused multiply-adds the torch path does not make (RoPE stays bit for bit)
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]

@@ -10,8 +10,9 @@ admits a new prompt among running streams is one call too.
 
 It takes a model whose every layer is SmolLM2's and Llama's shape: SwiGLU, no biases, no q/k or
 sandwich norms, one RoPE, every linear on the block kernel (int8 or int4), float32 activations, no
-tensor parallel. Anything else runs layer by layer. A step may still pause between two calls for an
-urgent prompt.
+tensor parallel. Anything else runs layer by layer. LoRA adapters ride along: the call adds each row's
+adapter after each target linear (kernels/cpu_lora.cpp, the kernel the layer by layer path calls). A step
+may still pause between two calls for an urgent prompt.
 """
 
 from dataclasses import dataclass
@@ -69,19 +70,25 @@ def decode_weights(model) -> DecodeWeights | None:
     return weights
 
 
-def run(weights: DecodeWeights, state, kv_caches, should_pause=None) -> bool | None:
+def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=None) -> bool | None:
     """Run the layers from ``state.next_layer`` on, a few a call: True after the last one, False where
     ``should_pause()`` said so between two calls (as ``LlamaModel.run_layers``); None, with nothing
-    done, where the kernels cannot (another device or dtype, no C++ build)."""
+    done, where the kernels cannot (another device or dtype, no C++ build). A step with adapter rows
+    (``state.batch.lora_slots``) adds them after each target linear from ``adapters``
+    (models/lora_table.AdapterTable)."""
     batch, layers = state.batch, len(weights.windows)
     if state.x.dtype != torch.float32:
         return None
+    lora = {}
+    if batch.lora_slots is not None:
+        lora = {"lora_a": adapters.a_stacks, "lora_b": adapters.b_stacks, "lora_slots": batch.lora_slots,
+                "lora_scales": adapters.scale_of_slot}
     tables, lengths = batch.rows()
     per_call = max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
     while state.next_layer < layers:
         first, end = state.next_layer, min(layers, state.next_layer + per_call)
         x = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
-                                  tables, lengths, first)
+                                  tables, lengths, first, **lora)
         if x is None:
             return None
         state.x, state.next_layer = x, end

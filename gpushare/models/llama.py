@@ -231,12 +231,11 @@ class LlamaModel(nn.Module):
         only writes its own tokens' cache slots. Where the model allows, a few layers run a call
         (models/fused_decode.py), and the pass may pause between two calls.
         """
-        # the fused layers have no adapters: a step with adapter rows runs layer by layer
-        if self.fused_decode and state.batch.lora_slots is None and state.next_layer < len(self.layers):
+        if self.fused_decode and state.next_layer < len(self.layers):
             if self._decode_weights is False:
                 self._decode_weights = fused_decode.decode_weights(self)
             if self._decode_weights is not None:
-                done = fused_decode.run(self._decode_weights, state, kv_caches, should_pause)
+                done = fused_decode.run(self._decode_weights, state, kv_caches, should_pause, self.adapters)
                 if done is not None:
                     return done
         while state.next_layer < len(self.layers):

@@ -36,6 +36,10 @@ class AdapterTable:
     def __init__(self, model, base_name: str):
         self.model, self.base_name = model, base_name
         self.adapters: dict[str, LoraAdapter] = {}
+        # every target's stacks, layer after layer in PARTS' order (seven a layer): the fused decode's
+        self.a_stacks: list[torch.Tensor] = []
+        self.b_stacks: list[torch.Tensor] = []
+        self.scale_of_slot = torch.zeros(0)
 
     def add(self, adapter: LoraAdapter) -> None:
         """Load ``adapter``; ValueError (naming both) if it does not fit this base or is loaded already."""
@@ -66,6 +70,7 @@ class AdapterTable:
         device = self.model.norm.weight.device
         rank = max((a.rank for a in adapters), default=0)
         scales = torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=device)
+        self.a_stacks, self.b_stacks, self.scale_of_slot = [], [], scales
         for i, layer in enumerate(self.model.layers):
             for path, targets in PARTS.items():
                 linear = layer.get_submodule(path)
@@ -83,5 +88,7 @@ class AdapterTable:
                             a_stack[s, :adapter.rank] = pair[0]
                             b_stack[s, :, :adapter.rank] = pair[1]
                     parts.append((start, out_features, a_stack.to(device), b_stack.to(device)))
+                    self.a_stacks.append(parts[-1][2])
+                    self.b_stacks.append(parts[-1][3])
                     start += out_features
                 linear.lora = LinearLora(parts, scales)
