@@ -149,8 +149,11 @@ def cmd_create(args) -> int:
             raise ApiFailure(f"cannot read {args.file}: {e.strerror}") from None
         except ModelfileError as e:
             raise ApiFailure(str(e)) from None
-        base = os.path.join(os.path.dirname(os.path.abspath(args.file)), os.path.expanduser(parsed.base))
+        folder = os.path.dirname(os.path.abspath(args.file))
+        base = os.path.join(folder, os.path.expanduser(parsed.base))
         source = base if os.path.exists(base) else parsed.base
+        if parsed.adapter is not None:  # relative to the Modelfile, as FROM is
+            body["adapter"] = os.path.join(folder, os.path.expanduser(parsed.adapter))
         preset = parsed.preset
         body.update({k: v for k, v in (("parameters", preset.options), ("system", preset.system),
                                        ("template", preset.template), ("messages", preset.messages),

@@ -183,14 +183,16 @@ class Registry:
 
     # ------------------------------------------------------------------ create / remove
 
-    def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
+    def create(self, name: str, target: str, preset: ModelPreset | None = None,
+               adapter: str | None = None) -> ModelSource:
         """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
-        `preset` on top of the target's own (catalog/model_create.py: a symlink, or a .modelfile). A model
-        of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
-        create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
+        `preset` on top of the target's own and `adapter` served on it (catalog/model_create.py: a symlink, or
+        a .modelfile). A model of ours replaced while loaded takes its new presets at once; on other weights
+        it unloads once idle."""
+        create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset, adapter)
         source = self.find(name)
         entry = self.residency.loaded.get(source.name)
-        if entry is not None and entry.source.path == source.path:
+        if entry is not None and (entry.source.path, entry.source.adapter) == (source.path, source.adapter):
             entry.source = source
         elif entry is not None:
             entry.retired = True
