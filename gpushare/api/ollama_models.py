@@ -210,7 +210,7 @@ async def ps(request: web.Request) -> web.Response:
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
             "size_vram": size if entry.device.config.device.startswith("cuda") else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": context_room(entry.device, entry.name, entry.model.config.context_length,
+            "context_length": context_room(entry.device, entry.engine_name, entry.model.config.context_length,
                                            entry.source.preset.options.get("num_ctx")
                                            or ctx.settings.server.context_length),
             "trained_context_length": entry.model.config.context_length,
@@ -223,6 +223,8 @@ async def ps(request: web.Request) -> web.Response:
             "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
             "weights": entry.model.weights, "kernel": entry.model.kernel,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
+            # gpushare's: a LoRA adapter's base (its own row: the base's weights and KV are counted there once)
+            **({"base": entry.base.name} if entry.base is not None else {}),
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
     # apart from "models", which Ollama's clients read as the loaded ones

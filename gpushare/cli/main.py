@@ -72,13 +72,14 @@ def cmd_ps(args) -> int:
         weights = f"{m.get('weights', '')} {m.get('kernel', '')}".strip()
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
-                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights])
+                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights,
+                     m.get("base", "")])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", ""])
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", "", ""])
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
-                       "WORKER PID", "KIND", "WEIGHTS"]))
+                       "WORKER PID", "KIND", "WEIGHTS", "BASE"]))  # BASE: a LoRA adapter's, its SIZE its own
     return 0
 
 
