@@ -265,3 +265,8 @@ def test_create_refuses_a_missing_adapter_and_an_adapter_of_an_adapter(daemon, t
     assert status == 400 and "neither a PEFT folder" in body["error"], body
     status, body = create_from_modelfile(daemon, "twice", f"FROM {CONFIGURED}\nADAPTER {tmp_path}\n")
     assert status == 400, body
+
+
+def test_an_adapter_does_not_embed(daemon):
+    status, body, _ = http("POST", daemon.url + "/api/embed", {"model": CONFIGURED, "input": "Hi"}, headers=ADMIN)
+    assert status == 400 and "is a LoRA adapter" in body["error"], body

@@ -14,7 +14,7 @@ import time
 
 from gpushare.catalog.model_files import without_paths
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
-from gpushare.residency.memory_budget import read_tensor_count
+from gpushare.residency.memory_budget import Resident, read_tensor_count
 from gpushare.residency.worker_client import WorkerDied
 
 log = logging.getLogger("gpushare.registry")
@@ -57,6 +57,25 @@ async def detach(residency, entry: LoadedEntry) -> None:
         await asyncio.to_thread(entry.device.detach_adapter, entry.name)
     finally:
         residency.release(entry.base)
+
+
+def residents(here: list[LoadedEntry]) -> list[Resident]:
+    """One device's loaded models and adapters as the eviction plan sees them. A base whose only leases
+    are its adapters', all idle, is evictable with them (its size and last use counting theirs; they are
+    then not evictable apart); an idle adapter is evictable alone, and never counts as a model."""
+    residents, going_with_base = [], set()
+    for e in (e for e in here if e.base is None):
+        adapters = [a for a in here if a.base is e]
+        evictable = (e.active == len(adapters) and not e.source.pinned and not e.device.has_work(e.name)
+                     and all(a.active == 0 and not a.source.pinned for a in adapters))
+        if evictable:
+            going_with_base.update(id(a) for a in adapters)
+        residents.append(Resident(e.key, e.size_bytes + (sum(a.size_bytes for a in adapters) if evictable else 0),
+                                  max([e.last_used, *(a.last_used for a in adapters)]), evictable))
+    residents += [Resident(a.key, a.size_bytes, a.last_used,
+                           a.active == 0 and not a.source.pinned and id(a) not in going_with_base, counted=False)
+                  for a in here if a.base is not None]
+    return residents
 
 
 def adapters_of(residency, base_name: str) -> list[LoadedEntry]:

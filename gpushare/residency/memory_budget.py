@@ -135,6 +135,7 @@ class Resident:
     size_bytes: int
     last_used: float
     evictable: bool  # idle (no running or queued request) and not pinned
+    counted: bool = True  # counts against max_loaded_models (a LoRA adapter does not)
 
 
 def plan_evictions(residents: list[Resident], need_bytes: int, used_bytes: int, budget_bytes: int,
@@ -149,5 +150,5 @@ def plan_evictions(residents: list[Resident], need_bytes: int, used_bytes: int, 
         victim = candidates.pop(0)
         victims.append(victim)
         used_bytes -= victim.size_bytes
-        num_models -= 1
+        num_models -= victim.counted
     return victims

@@ -128,9 +128,7 @@ class Residency:
         return sum(1 for e in self.entries() if e.device_name == device and e.base is None)
 
     def residents(self, device: str) -> list[Resident]:
-        return [Resident(e.key, e.size_bytes, e.last_used,
-                         e.active == 0 and not e.source.pinned and not e.device.has_work(e.name))
-                for e in self.entries() if e.device_name == device]
+        return adapter_residency.residents([e for e in self.entries() if e.device_name == device])
 
     def _entry(self, key: str) -> LoadedEntry:
         return next(e for e in self.entries() if e.key == key)
@@ -368,14 +366,16 @@ class Residency:
             entry.timer.cancel()
             entry.timer = None
         self._forget(entry)
-        task = asyncio.get_running_loop().create_task(self._unload(entry))
+        adapters = [self.start_unload(a) for a in self.entries() if a.base is entry]  # detached before it goes
+        task = asyncio.get_running_loop().create_task(self._unload(entry, adapters))
         self.unloading[entry.key] = task
         self.unloading_entries.append(entry)
         return task
 
-    async def _unload(self, entry: LoadedEntry) -> None:
+    async def _unload(self, entry: LoadedEntry, adapters: list[asyncio.Task]) -> None:
         warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) and entry.base is None else None
         try:
+            await asyncio.gather(*adapters)
             if entry.base is not None:
                 await adapter_residency.detach(self, entry)
                 return
