@@ -109,7 +109,8 @@ def daemon(family, smollm2_path):
     store_with_adapter(store, str(root / "c.gguf"), open(base_gguf, "rb").read())
     overrides = {"models": [{"name": BASE, "path": base},
                             {"name": CONFIGURED, "adapter": folders[CONFIGURED], "base": BASE}],
-                 "engine": {"weights": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 512},
+                 "engine": {"weights": "float32", "kv_dtype": "float32", "max_num_seqs": 4,
+                            "max_num_batched_tokens": 512},
                  "tenants": TENANTS, "memory": {"kv_budget": "64MiB", "max_loaded_models": 2}}
     with serving(root, base, overrides, env={"OLLAMA_MODELS": str(store)}) as d:
         yield d
@@ -173,6 +174,22 @@ def test_a_modelfile_adapter_loads_on_the_resident_base_without_reloading_it(dae
     assert rows[CREATED]["kv_committed_bytes"] == 0  # its KV is the base's, counted on the base's row
     assert [name for name in rows].count(BASE) == 1
     assert generate(daemon, CREATED)[1]["load_duration"] == 0  # resident now
+
+
+def test_gpushare_create_takes_adapter_relative_to_the_modelfile_and_ollamas_client_an_adapter_blob(
+        daemon, expected, family, tmp_path):
+    root, _, folders = family
+    shutil.copytree(folders[CREATED], tmp_path / "lora")
+    (tmp_path / "Modelfile").write_text(f"FROM {BASE}\nADAPTER ./lora\nPARAMETER temperature 0\n")
+    out = subprocess.run([str(GPUSHARE), "create", "fine-b-cli", "-f", str(tmp_path / "Modelfile")],
+                         capture_output=True, text=True, timeout=60,
+                         env={**daemon.env(), "GPUSHARE_API_KEY": "admin-key"})
+    assert out.returncode == 0, out.stderr
+    assert generate(daemon, "fine-b-cli")[1]["response"] == expected[CREATED]
+    client = ollama.Client(host=daemon.url, headers=ADMIN)
+    digest = client.create_blob(root / "c.gguf")  # the GGUF LoRA the store fixture wrote
+    client.create(model="fine-c-blob", from_=BASE, adapters={"c.gguf": digest})
+    assert generate(daemon, "fine-c-blob")[1]["response"] == expected[STORED]  # on the folder base this time
 
 
 def test_gpushare_ps_shows_each_adapter_with_its_base(daemon):

@@ -306,7 +306,7 @@ class Registry:
         sources = self.sources()
         for entry in self.residency.entries():
             new = sources.get(entry.name)
-            if new is None or new.path != entry.source.path:
+            if new is None or (new.path, new.adapter) != (entry.source.path, entry.source.adapter):
                 entry.retired = True
                 if entry.active == 0:
                     self.residency.start_unload(entry)
