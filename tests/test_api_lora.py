@@ -176,7 +176,7 @@ def test_a_modelfile_adapter_loads_on_the_resident_base_without_reloading_it(dae
     assert generate(daemon, CREATED)[1]["load_duration"] == 0  # resident now
 
 
-def test_gpushare_create_takes_adapter_relative_to_the_modelfile_and_ollamas_client_an_adapter_blob(
+def test_gpushare_create_reads_adapter_relative_to_the_modelfile_ollamas_client_uploads_one_and_copies_one(
         daemon, expected, family, tmp_path):
     root, _, folders = family
     shutil.copytree(folders[CREATED], tmp_path / "lora")
@@ -190,6 +190,8 @@ def test_gpushare_create_takes_adapter_relative_to_the_modelfile_and_ollamas_cli
     digest = client.create_blob(root / "c.gguf")  # the GGUF LoRA the store fixture wrote
     client.create(model="fine-c-blob", from_=BASE, adapters={"c.gguf": digest})
     assert generate(daemon, "fine-c-blob")[1]["response"] == expected[STORED]  # on the folder base this time
+    client.copy(CONFIGURED, "fine-a-copy")  # a copy is the same adapter on the same base
+    assert generate(daemon, "fine-a-copy")[1]["response"] == expected[CONFIGURED]
 
 
 def test_gpushare_ps_shows_each_adapter_with_its_base(daemon):
