@@ -1,7 +1,7 @@
 """LoRA adapters as models through a live daemon: a tiny random Llama base (a safetensors folder) and
 peft adapters made here, named like any model in every dialect. One adapter comes from the config
 (models[].adapter + base), one from a Modelfile's ADAPTER through /api/create, one from an Ollama
-store manifest's adapter layer (a GGUF LoRA). Each answer equals the offline LLM's for that adapter
+store manifest's adapter layer (a GGUF LoRA, q and k in llama.cpp's RoPE row order). Each answer equals the offline LLM's for that adapter
 (tests/test_lora_oracle.py holds the offline LLM to peft's answers); /api/ps shows the base once with
 its adapters; an adapter loads on the resident base without reloading it; bad adapters get their 4xx
 and the base keeps serving."""
@@ -18,13 +18,12 @@ import ollama
 import openai
 import pytest
 
-from arch_models import hf_to_gguf, save_hf_model
+from arch_models import _permute, hf_to_gguf, save_hf_model
 from gpushare import LLM, SamplingParams
 from tests.daemon_fixture import GPUSHARE, http, serving
 from test_lora_oracle import make_adapter
 
 BASE, CONFIGURED, CREATED, STORED = "tiny", "fine-a", "fine-b", "fine-c:latest"
-NO_QK = ["v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # a GGUF LoRA's q/k rows need no reorder
 PROMPT = "Tell me about the history of Paris and the river"
 NEW_TOKENS = 12
 TENANTS = [{"name": "alice", "api_keys": ["alice-key"], "models": [BASE, CONFIGURED]},
@@ -33,20 +32,25 @@ TENANTS = [{"name": "alice", "api_keys": ["alice-key"], "models": [BASE, CONFIGU
 ADMIN = {"Authorization": "Bearer admin-key"}
 
 
-def write_gguf_lora(peft_folder: str, path: str, arch: str = "llama") -> None:
-    """The peft adapter (no q/k targets) as llama.cpp's convert_lora_to_gguf writes it, saying it is for `arch`."""
+def write_gguf_lora(peft_folder: str, base_folder: str, path: str, arch: str = "llama") -> None:
+    """The peft adapter as llama.cpp's convert_lora_to_gguf writes it, saying it is for `arch`: q and k lora_B
+    rows in the GGUF's RoPE order, as the base's q and k weights are."""
     import gguf
     from safetensors.torch import load_file
 
     config = json.load(open(f"{peft_folder}/adapter_config.json"))
+    base = json.load(open(f"{base_folder}/config.json"))
+    heads = {"q_proj": base["num_attention_heads"], "k_proj": base["num_key_value_heads"]}
     tensors = {}
-    gguf_name = {"v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
-                 "down_proj": "ffn_down"}
+    gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
     for key, t in load_file(f"{peft_folder}/adapter_model.safetensors").items():
         layer = int(key.split("layers.")[1].split(".")[0])
-        target = next(g for p, g in gguf_name.items() if f".{p}." in key)
+        module = next(m for m in gguf_name if f".{m}." in key)
         half = "a" if "lora_A" in key else "b"
-        tensors[f"blk.{layer}.{target}.weight.lora_{half}"] = t.numpy().astype(np.float32)
+        if half == "b" and module in heads:
+            t = _permute(t, heads[module])
+        tensors[f"blk.{layer}.{gguf_name[module]}.weight.lora_{half}"] = t.numpy().astype(np.float32)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_type("adapter")
     writer.add_string("adapter.type", "lora")
@@ -79,7 +83,7 @@ def family(tmp_path_factory, smollm2_path):
     folders = {CONFIGURED: str(root / "a"), CREATED: str(root / "b"), STORED: str(root / "c")}
     make_adapter(base, folders[CONFIGURED], 8, seed=1)
     make_adapter(base, folders[CREATED], 16, seed=2)
-    make_adapter(base, folders[STORED], 8, seed=3, targets=NO_QK)
+    make_adapter(base, folders[STORED], 8, seed=3)
     return root, base, folders
 
 
@@ -104,7 +108,7 @@ def daemon(family, smollm2_path):
     root, base, folders = family
     store = root / "ollama-store"
     # The store's model layer is a GGUF; the adapter is served on the model of the same blob, its own base.
-    write_gguf_lora(folders[STORED], str(root / "c.gguf"))
+    write_gguf_lora(folders[STORED], base, str(root / "c.gguf"))
     base_gguf = hf_to_gguf(base, str(root / "base.gguf"), smollm2_path)
     store_with_adapter(store, str(root / "c.gguf"), open(base_gguf, "rb").read())
     overrides = {"models": [{"name": BASE, "path": base},
@@ -251,7 +255,7 @@ def test_bad_adapters_are_refused_with_a_4xx_and_the_base_keeps_serving(daemon, 
         make_adapter(save_hf_model("qwen3", str(tmp_path / "qwen3"), smollm2_path), str(bad), 8, seed=9)
     elif case == "other architecture":
         bad = tmp_path / "bad.gguf"
-        write_gguf_lora(folders[STORED], str(bad), arch="qwen3")
+        write_gguf_lora(folders[STORED], base, str(bad), arch="qwen3")
     else:
         shutil.copytree(folders[CONFIGURED], bad)
         config = json.load(open(bad / "adapter_config.json"))
