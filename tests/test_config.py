@@ -61,6 +61,11 @@ def test_example_configs_are_valid(name):
     ({"models": [{"name": "x", "path": "/no/such.gguf"}]}, "models[0].path: no such file or folder"),
     ({"models": [{"name": "x", "path": "/", "keep_alive": "forever"}]}, "models[0].keep_alive: must be a duration"),
     ({"models": [{"name": "x", "path": "/"}, {"name": "x", "path": "/"}]}, "models[1].name: duplicate model name"),
+    ({"models": [{"name": "x", "adapter": "/no/such-lora", "base": "b"}]}, "models[0].adapter: no such file or folder"),
+    ({"models": [{"name": "x", "adapter": "/"}]}, "models[0].base: required with models[0].adapter"),
+    ({"models": [{"name": "x", "adapter": "/", "base": "b", "path": "/"}]}, "models[0].path: an adapter entry runs on"),
+    ({"models": [{"name": "x", "adapter": "/", "base": "b", "replicas": 2}]}, "models[0].replicas: an adapter runs"),
+    ({"models": [{"name": "x", "path": "/", "base": "b"}]}, "models[0].base: only an adapter entry"),
     ({"node": {"manage": "yes please"}}, "node.manage"),
     ({"servers": {}}, "servers: unknown key"),
 ])

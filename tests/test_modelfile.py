@@ -40,6 +40,13 @@ def test_what_format_writes_parses_back_the_same():
     assert parse_modelfile(text) == parsed
 
 
+def test_adapter_reads_and_writes_back():
+    parsed = parse_modelfile("FROM tiny\nADAPTER ./my lora.gguf\nPARAMETER temperature 0\n")
+    assert (parsed.base, parsed.adapter, parsed.preset.options) == ("tiny", "./my lora.gguf", {"temperature": 0.0})
+    assert parse_modelfile(format_modelfile("tiny", parsed.preset, adapter="/a/my lora.gguf")).adapter == \
+        "/a/my lora.gguf"
+
+
 def test_parameters_text_is_ollamas():
     assert parameters_text({"stop": ["a", "b"], "temperature": 0.0, "top_p": 0.9}) == (
         'stop                           "a"\nstop                           "b"\n'
@@ -52,7 +59,7 @@ def test_parameters_text_is_ollamas():
     ("FROM x\nPARAMETER num_ctx big\n", "Modelfile:2: num_ctx must be an integer, got 'big'"),
     ("FROM x\nSYSTEM \"\"\"never closed\n\n", "Modelfile:2: a \"\"\" argument is never closed"),
     ("FROM x\nMESSAGE robot hi\n", "Modelfile:2: MESSAGE role must be one of"),
-    ("FROM x\nADAPTER ./lora.gguf\n", "Modelfile:2: ADAPTER is not supported"),
+    ("FROM x\nADAPTER ./a.gguf\nADAPTER ./b.gguf\n", "Modelfile:3: a second ADAPTER"),
     ('FROM x\nTEMPLATE """{{ if .System }}{{ .System }}{{ end }}"""\n', "Modelfile:2: this TEMPLATE is a Go template"),
     ("PARAMETER temperature 1\n", "Modelfile: no FROM line"),
 ])

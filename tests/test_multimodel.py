@@ -361,7 +361,7 @@ def test_live_daemon_ps_tags_and_cli_load_progress(folders, tmp_path):
         r = subprocess.run([str(GPUSHARE), "ps"], capture_output=True, text=True, env=daemon.env())
         header, *lines = r.stdout.splitlines()
         assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV", "BLOCKS", "RUN/QUEUED",
-                                  "DEVICE", "WORKER", "PID", "KIND", "WEIGHTS"]
+                                  "DEVICE", "WORKER", "PID", "KIND", "WEIGHTS", "BASE"]
         tiny_line = next(line for line in lines if line.startswith(TINY))
         assert "100% CPU" in tiny_line and "Forever" in tiny_line and f"0/{ps[TINY]['kv_blocks_total']}" in tiny_line
         words = tiny_line.split()  # ... DEVICE, WORKER PID, KIND, then WEIGHTS (a format and its kernel)

@@ -72,9 +72,9 @@ def test_a_pull_lands_in_the_store_in_parallel_ranges_and_lists(registry, tmp_pa
     assert len(seen) == blob_download.MAX_PARTS and starts == [i * len(data) // 8 for i in range(8)]
     assert sum(r.sent for r in seen) == len(data)
     assert (tmp_path / "blobs" / digest.replace(":", "-")).read_bytes() == data
-    [(name, _, path, sha, preset)] = scan_store(tmp_path)
+    [(name, _, path, sha, preset, adapter)] = scan_store(tmp_path)
     assert name == f"{registry.host}/library/tiny:q4" and sha == digest[7:]
-    assert preset.options == {"temperature": 0.2} and preset.system == "Be brief."
+    assert preset.options == {"temperature": 0.2} and preset.system == "Be brief." and adapter is None
     assert not [f for f in files_under(tmp_path) if "partial" in f]
 
 
@@ -138,6 +138,14 @@ def test_a_manifest_with_a_path_for_a_digest_is_refused_and_writes_nothing(regis
     assert files_under(tmp_path) <= {"store"}
 
 
+def test_an_adapter_layer_is_pulled_and_lists_as_the_adapter_on_the_model_layer(registry, tmp_path):
+    registry.add_model("library", "lora", "q4", blob(8, 4096), {"adapter": b"GGUF lora bytes"})
+    assert pull(registry, tmp_path, "library/lora:q4").status == "success"
+    [(name, _, path, _, _, adapter)] = scan_store(tmp_path)
+    assert name == f"{registry.host}/library/lora:q4" and open(adapter, "rb").read() == b"GGUF lora bytes"
+    assert open(path, "rb").read() == blob(8, 4096)
+
+
 def test_a_huge_manifest_and_refused_layers_are_named(registry, tmp_path):
     registry.manifests[("library", "big", "q4")] = b'{"layers": [' + b" " * (100 << 20) + b"]}"
     with pytest.raises(PullError, match="over the 4194304 bytes a manifest may be"):
@@ -145,9 +153,6 @@ def test_a_huge_manifest_and_refused_layers_are_named(registry, tmp_path):
     registry.add_model("library", "vision", "q4", blob(7, 4096), {"projector": b"mmproj"})
     with pytest.raises(PullError, match=r"vision projector \(mmproj\) layer.*application/vnd.ollama.image.projector"):
         pull(registry, tmp_path, "library/vision:q4")
-    registry.add_model("library", "lora", "q4", blob(8, 4096), {"adapter": b"lora"})
-    with pytest.raises(PullError, match="LoRA adapter layer"):
-        pull(registry, tmp_path, "library/lora:q4")
     with pytest.raises(PullError, match=r'model ".*library/nothing:here" not found: .* answered 404') as e:
         pull(registry, tmp_path, "library/nothing:here")
     assert e.value.status == 404

@@ -108,6 +108,9 @@ async def _run(request: web.Request, model: str, keep_alive: float | None, count
         if not count:
             return [], timings
         check_serves(lease.model, model, task)
+        if lease.entry.base is not None:  # the engine runs adapters in generation steps only
+            raise bad_request(f'model "{model}" is a LoRA adapter (on "{lease.entry.base.name}"): it generates, it '
+                              f"does not embed or score", param="model")
         model_limits, tenant_limit_bytes = lease_limits(lease, ticket.tenant, ctx.node.tenant_policies)
         limit = usable_context(model_limits)  # truncation fits the model, never a tenant's kv_limit (a 400)
         token_lists, type_ids = await bounded(request, "tokenising the inputs", tokenise, lease.model, limit)

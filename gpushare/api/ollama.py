@@ -161,7 +161,7 @@ async def _generate(request: web.Request, body: dict, model: str, make_prompt, c
         values, max_tokens, num_ctx = sampling_from_options(with_model_options(body, preset), limits_of(request))
         num_ctx = num_ctx or ctx.settings.server.context_length
         timings.load_s = lease.load_duration_s
-        room = context_room(lease.device, lease.entry.name, lease.model.config.context_length, num_ctx)
+        room = context_room(lease.device, lease.entry.engine_name, lease.model.config.context_length, num_ctx)
         thinking = think.checked(think.Thinking(False, raw=True) if raw else asked, lease.model, preset.template,
                                  model)
         prompt_ids = await bounded(request, "rendering the chat template and tokenising the prompt", make_prompt,

@@ -6,8 +6,9 @@
 and `model_info` with the GGUF's own metadata keys (arrays such as the vocabulary only with
 `"verbose": true`, which adds the tensors too). /api/create takes Ollama's JSON form
 (`from`, `parameters`, `system`, `template`, `messages`, `license`; or `files` naming a GGUF
-blob uploaded to /api/blobs) or an older client's `modelfile` text; /api/copy registers a model
-again under a second name.
+blob uploaded to /api/blobs; `adapters` naming one GGUF LoRA blob, or gpushare's `adapter`, a path)
+or an older client's `modelfile` text (its ADAPTER too); /api/copy registers a model again under a
+second name.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from gpushare.settings.model_options import (ModelPreset, OptionError, check_tem
 from gpushare.catalog.modelfile import ModelfileError, format_modelfile, parse_modelfile
 
 HIDDEN_KEYS = ("general.name", "tokenizer.chat_template")  # Ollama leaves these out of model_info too
-UNSUPPORTED_CREATE = {"adapters": "is not supported: gpushare does not apply LoRA adapters",
-                      "quantize": "is not supported: the weight format is chosen at load (models[].weights)"}
+UNSUPPORTED_CREATE = {"quantize": "is not supported: the weight format is chosen at load (models[].weights)"}
 
 
 def _gguf_info(path: str, verbose: bool) -> tuple[dict, list[dict]]:
@@ -65,8 +65,9 @@ async def show(request: web.Request) -> web.Response:
     model_info, tensors = desc.model_info, []
     if source.format == "gguf":
         model_info, tensors = await off_loop(_gguf_info, source.path, verbose)
+    adapter = source.adapter and (source.adapter if is_admin(request) else os.path.basename(source.adapter))
     try:
-        modelfile = format_modelfile(path, preset, source.name)
+        modelfile = format_modelfile(source.base if adapter else path, preset, source.name, adapter)
     except ModelfileError as e:  # an Ollama-store preset our grammar cannot hold: say so, never a wrong file
         modelfile = f"# {e}\nFROM {os.path.basename(path)}\n"
     template = preset.template if preset.template is not None else desc.template or ""
@@ -121,32 +122,36 @@ async def create(request: web.Request) -> web.Response:
             parsed = parse_modelfile(modelfile, "modelfile")
         except ModelfileError as e:
             raise bad_request(str(e), param="modelfile") from None
-        base, preset = parsed.base, parsed.preset
-    elif body.get("files"):  # Ollama's newer clients: the files were uploaded to /api/blobs first
-        base, preset = _uploaded_gguf(request, body), _preset_from_body(body)
+        base, preset, adapter = parsed.base, parsed.preset, parsed.adapter
     else:
-        base, preset = required_string(body, "from"), _preset_from_body(body)
+        adapter = _uploaded_gguf(request, body, "adapters") if body.get("adapters") else field(body, "adapter",
+                                                                                                 "string")
+        if body.get("files"):  # Ollama's newer clients: the files were uploaded to /api/blobs first
+            base, preset = _uploaded_gguf(request, body, "files"), _preset_from_body(body)
+        else:
+            base, preset = required_string(body, "from"), _preset_from_body(body)
     try:
-        context(request).registry.create(name, base, preset)
+        context(request).registry.create(name, base, preset, adapter)
     except RegistrationError as e:
         raise bad_request(str(e)) from None
     return web.json_response({"status": "success"})
 
 
-def _uploaded_gguf(request: web.Request, body: dict) -> str:
-    """The blob path of `files`' one GGUF ({"name.gguf": "sha256:..."}); 400 naming what is wrong."""
-    files = field(body, "files", "object")
+def _uploaded_gguf(request: web.Request, body: dict, key: str) -> str:
+    """The blob path of `files`' (or `adapters'`) one GGUF ({"name.gguf": "sha256:..."}); 400 naming what is
+    wrong."""
+    files = field(body, key, "object")
     ggufs = [(k, v) for k, v in files.items() if k.endswith(".gguf")]
     if len(ggufs) != 1 or len(files) != 1:
-        raise bad_request('"files" must name one .gguf file: gpushare creates from a GGUF blob (a safetensors '
-                          'folder can be pulled, or named by path in "from")', param="files")
+        raise bad_request(f'"{key}" must name one .gguf file: gpushare creates from a GGUF blob (a safetensors '
+                          f'folder can be pulled, or named by path in "from" or "adapter")', param=key)
     try:
         path = blob_path(context(request).settings.models_dir, ggufs[0][1])
     except StoreError as e:
-        raise bad_request(f"files: {ggufs[0][0]}: {e}", param="files") from None
+        raise bad_request(f"{key}: {ggufs[0][0]}: {e}", param=key) from None
     if not path.is_file():
-        raise bad_request(f"files: {ggufs[0][0]}: blob {ggufs[0][1]} was not uploaded (POST /api/blobs/<digest>)",
-                          param="files")
+        raise bad_request(f"{key}: {ggufs[0][0]}: blob {ggufs[0][1]} was not uploaded (POST /api/blobs/<digest>)",
+                          param=key)
     return str(path)
 
 
@@ -205,7 +210,7 @@ async def ps(request: web.Request) -> web.Response:
             "details": _details(ctx.registry, entry.source), "expires_at": rfc3339(expires),
             "size_vram": size if entry.device.config.device.startswith("cuda") else 0,
             "weight_bytes": entry.weight_bytes, "kv_committed_bytes": kv_bytes, "kv_dtype": engine_stats.kv_dtype,
-            "context_length": context_room(entry.device, entry.name, entry.model.config.context_length,
+            "context_length": context_room(entry.device, entry.engine_name, entry.model.config.context_length,
                                            entry.source.preset.options.get("num_ctx")
                                            or ctx.settings.server.context_length),
             "trained_context_length": entry.model.config.context_length,
@@ -218,6 +223,8 @@ async def ps(request: web.Request) -> web.Response:
             "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,
             "weights": entry.model.weights, "kernel": entry.model.kernel,
             "load_duration": int(entry.load_duration_s * 1e9), "warm_load": entry.warm_load, "pinned": entry.source.pinned,
+            # gpushare's: a LoRA adapter's base (its own row: the base's weights and KV are counted there once)
+            **({"base": entry.base.name} if entry.base is not None else {}),
         })
     # gpushare's: models on their way in ("queued" for memory, or "loading" with the fraction read so far),
     # apart from "models", which Ollama's clients read as the loaded ones

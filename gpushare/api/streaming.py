@@ -123,7 +123,7 @@ def lease_limits(lease, tenant: str, policies: dict | None = None) -> tuple[Mode
     in bytes (`policies`: the node's tenant policies; None: the engine's own)."""
     device = lease.device
     stats = device.stats()
-    model_stats = stats.models.get(lease.entry.name)
+    model_stats = stats.models.get(lease.entry.engine_name)  # an adapter's: its base's
     if model_stats is None:  # unloaded between the lease and now: only while the daemon stops or a worker died
         raise ApiError(503, f'model "{lease.entry.name}" was unloaded; retry', retry_after_s=1)
     config = lease.model.config

@@ -51,24 +51,31 @@ class ModelSource:
     sha256: str | None = None  # the weights' real digest when known (Ollama's blob name)
     device: str | None = None  # models[].device: the device it must load on; None: placement chooses
     replicas: int = 1  # models[].replicas: copies on as many devices
+    adapter: str | None = None  # a LoRA adapter's file or folder: this model is it, served on `base`
+    base: str | None = None  # the model an adapter runs on (its path is the base's weights)
 
     @property
     def format(self) -> str:
         return "safetensors" if os.path.isdir(self.path) else "gguf"
 
     def size_bytes(self) -> int:
-        if os.path.isdir(self.path):
-            return sum(p.stat().st_size for p in Path(self.path).glob("*.safetensors"))
-        return os.path.getsize(self.path)
+        """Its files' bytes: an adapter's own (its base is a model of its own)."""
+        path = self.adapter or self.path
+        if os.path.isdir(path):
+            return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+        return os.path.getsize(path)
 
     def modified_at(self) -> float:
-        return os.path.getmtime(self.definition or self.path)
+        return os.path.getmtime(self.definition or self.adapter or self.path)
 
     def digest(self) -> str:
-        """A stable ID from path, size and mtime (hashing multi-GB weights on every list is too slow)."""
-        if self.sha256:
+        """A stable ID from path, size and mtime (hashing multi-GB weights on every list is too slow); an
+        adapter's from its own file and its base's weights, so it is never its base's."""
+        if self.sha256 and self.adapter is None:
             return self.sha256
-        key = f"{os.path.realpath(self.path)}:{self.size_bytes()}:{self.modified_at()}"
+        key = f"{os.path.realpath(self.adapter or self.path)}:{self.size_bytes()}:{self.modified_at()}"
+        if self.adapter is not None:
+            key += f":{self.path}"
         return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -105,10 +112,17 @@ def _read_created(path: Path) -> ModelSource | None:
     source = None
     try:
         modelfile = parse_modelfile(path.read_text(), str(path))
-        if not os.path.exists(modelfile.base):
+        name = path.name[: -len(MODELFILE_SUFFIX)]
+        if modelfile.adapter is not None:  # FROM names the base model (or its weights), found by link_adapters
+            if not os.path.exists(modelfile.adapter):
+                raise ModelfileError(f"{path}: ADAPTER {modelfile.adapter}: no such file or folder")
+            source = ModelSource(name, "", origin="models_dir", preset=modelfile.preset, definition=str(path),
+                                 adapter=modelfile.adapter, base=modelfile.base)
+        elif not os.path.exists(modelfile.base):
             raise ModelfileError(f"{path}: FROM {modelfile.base}: no such file or folder")
-        source = ModelSource(path.name[: -len(MODELFILE_SUFFIX)], modelfile.base, origin="models_dir",
-                             preset=modelfile.preset, definition=str(path))
+        else:
+            source = ModelSource(name, modelfile.base, origin="models_dir", preset=modelfile.preset,
+                                 definition=str(path))
     except (ModelfileError, OSError, UnicodeDecodeError) as e:
         log.warning("models_dir: skipping %s: %s", path.name, e)
         _created_problems[path] = str(e)
@@ -130,16 +144,36 @@ def model_sources(settings: Settings) -> dict[str, ModelSource]:
     found = {}
     stores = [(root, "ollama") for root in reversed(settings.ollama_models)]  # the first store named wins a clash
     for root, origin in [*stores, (settings.models_dir, "pulled")]:
-        for name, manifest, path, sha256, preset in scan_store(root):
+        for name, manifest, path, sha256, preset, adapter in scan_store(root):
             found[name] = ModelSource(name, path, origin=origin, preset=preset, definition=str(manifest),
-                                      sha256=sha256)
+                                      sha256=sha256, adapter=adapter, base=path if adapter else None)
     found.update((s.name, s) for s in scan_models_dir(settings.models_dir))
     for m in settings.models:
         found[m.name] = ModelSource(m.name, m.path, m.keep_alive_s, origin="config", pinned=m.pinned,
                                     preload=m.preload, weight=m.weight, weights=m.weights,
                                     preset=ModelPreset(dict(m.options), m.system), device=m.device,
-                                    replicas=m.replicas)
+                                    replicas=m.replicas, adapter=m.adapter, base=m.base)
+    link_adapters(found)
     return found
+
+
+def link_adapters(found: dict[str, ModelSource]) -> None:
+    """Give each adapter its base: a model's name (``name`` or ``name:latest``), else weights by path (an
+    Ollama store's model layer, a Modelfile's FROM path), served as the model of those weights, or as
+    ``<adapter>-base`` when no model has them. An adapter then describes itself by its base's weights.
+    One whose base is missing or is itself an adapter stays listed with no path: it fails when used."""
+    for source in [s for s in found.values() if s.adapter is not None]:
+        base = found.get(source.base) or found.get(f"{source.base}:latest")
+        if base is None and os.path.exists(source.base):
+            real = os.path.realpath(source.base)
+            base = next((s for s in found.values() if s.adapter is None and s.path
+                         and os.path.realpath(s.path) == real), None)
+            if base is None:
+                base = found[f"{source.name}-base"] = ModelSource(f"{source.name}-base", source.base,
+                                                                  origin=source.origin, sha256=source.sha256)
+        if base is not None and base.adapter is None:
+            source.base, source.path = base.name, base.path
+            source.preset = source.preset.over(base.preset)
 
 
 @dataclass

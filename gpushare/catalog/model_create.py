@@ -6,7 +6,10 @@ its own name: it is recognised by its magic bytes, so Ollama's `sha256-<hex>` bl
 TEMPLATE, MESSAGE, LICENSE, or a copy of a model that has them) is a `NAME.modelfile`
 whose FROM is the weights' absolute path. FROM an existing model name takes that
 model's weights and presets, the new ones on top. Nothing is ever written outside
-models_dir, so Ollama's store and the config's files stay as they are. As `ollama create`
+models_dir, so Ollama's store and the config's files stay as they are. A model with an ADAPTER
+(a LoRA adapter: a PEFT folder or a GGUF LoRA, by absolute path) is always a `.modelfile` whose
+FROM is the base model's name (or its weights' path) and ADAPTER the adapter's path: the base
+stays a model of its own, loaded once for all its adapters. As `ollama create`
 does, creating a name that exists replaces it, when it is one of ours (a link or a
 .modelfile in models_dir); a config or Ollama-store model of that name is refused.
 """
@@ -63,26 +66,56 @@ def resolve_base(base: str, sources: dict[str, ModelSource], find) -> tuple[Path
                             f"nor a model name")
 
 
+def adapter_path(adapter: str) -> Path:
+    """An ADAPTER's path, checked: absolute, a PEFT folder (adapter_config.json) or a GGUF file."""
+    path = Path(adapter).expanduser()
+    if not path.is_absolute():
+        raise RegistrationError(f"adapter path {str(path)!r} must be absolute (it is resolved by the daemon)")
+    if not ((path / "adapter_config.json").is_file() or (path.is_file() and is_gguf(path))):
+        raise RegistrationError(f"adapter {str(path)!r} is neither a PEFT folder with adapter_config.json nor a "
+                                f"GGUF LoRA file")
+    return path.resolve()
+
+
+def adapter_base(base: str, sources: dict[str, ModelSource], find) -> str:
+    """What an adapter's FROM keeps: the base model's name, or its weights' absolute path."""
+    if base in sources or f"{base}:latest" in sources:
+        source = find(base)
+        if source.adapter is not None:
+            raise RegistrationError(f'model "{source.name}" is itself an adapter; an adapter is made FROM a model')
+        return source.name
+    return str(resolve_base(base, sources, find)[0].resolve())
+
+
 def create_model(models_dir: Path, sources: dict[str, ModelSource], find, name: str, base: str,
-                 preset: ModelPreset | None = None) -> None:
-    """Write NAME into models_dir: a link, or a .modelfile when it has presets (replacing our own NAME)."""
+                 preset: ModelPreset | None = None, adapter: str | None = None) -> None:
+    """Write NAME into models_dir: a link, or a .modelfile when it has presets or an adapter (replacing our own
+    NAME)."""
     old = replaced_file(name, sources)
-    weights, inherited = resolve_base(base, sources, find)
+    named = sources.get(base) or sources.get(f"{base}:latest")
+    inherited = ModelPreset()  # an adapter's base's presets come with it when the catalog links the two
+    if adapter is None and named is not None and named.adapter is not None:  # a copy of an adapter model
+        base, adapter, inherited = named.base, named.adapter, named.preset
+    if adapter is not None:
+        weights, adapter = adapter_base(base, sources, find), str(adapter_path(adapter))
+    else:
+        weights, inherited = resolve_base(base, sources, find)
+        weights = str(weights.resolve())
     preset = (preset or ModelPreset()).over(inherited)
     models_dir.mkdir(parents=True, exist_ok=True)
-    if not preset.is_empty():
+    if not preset.is_empty() or adapter is not None:
         target = models_dir / f"{name}{MODELFILE_SUFFIX}"
         tmp = target.with_name(f".{target.name}.tmp")
         try:
-            text = format_modelfile(str(weights.resolve()), preset)
+            text = format_modelfile(weights, preset, adapter=adapter)
         except ModelfileError as e:
             raise RegistrationError(str(e)) from None
         tmp.write_text(text)
     else:
-        target = models_dir / (name if weights.is_dir() else f"{name}.gguf")
+        target = models_dir / (name if os.path.isdir(weights) else f"{name}.gguf")
         tmp = target.with_name(f".{target.name}.tmp")
         tmp.unlink(missing_ok=True)
-        tmp.symlink_to(weights.resolve())
+        tmp.symlink_to(weights)
     os.replace(tmp, target)  # whole or not at all: a scan never reads half a file, nor no model at all
     if old is not None and os.path.abspath(old) != os.path.abspath(target):
         os.unlink(old)  # the old form (a link where now a .modelfile, or the other way)

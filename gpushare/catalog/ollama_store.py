@@ -7,7 +7,8 @@ A store (`$OLLAMA_MODELS`, `~/.ollama/models`, the system service's
 layer is the GGUF, `.params` (JSON options), `.system`, `.messages` (JSON) and `.license`
 layers become its ModelPreset. A `.template` layer is Ollama's Go template, which this
 engine does not run: the GGUF's own Jinja chat template is used instead. A model with an
-`.adapter` layer (LoRA) is skipped, said once in the log.
+`.adapter` layer (a GGUF LoRA) is that adapter served on its model layer's weights (the model
+of the same blob, model_catalog.link_adapters).
 
 Names are as `ollama list` prints them: `name:tag` for registry.ollama.ai/library,
 `namespace/name:tag` for another namespace there, `host/namespace/name:tag` elsewhere.
@@ -74,8 +75,9 @@ def _read_json(path: Path, text: str):
         raise StoreError(f"{path}:{e.lineno}: not valid JSON (column {e.colno}: {e.msg})") from None
 
 
-def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
-    """(GGUF blob path, its sha256 hex, preset) of one manifest; raises StoreError naming the file at fault."""
+def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset, str | None]:
+    """(GGUF blob path, its sha256 hex, preset, the adapter layer's blob path or None) of one manifest; raises
+    StoreError naming the file at fault."""
     doc = _read_json(manifest, _read_text(manifest, manifest, "manifest"))
     layers = doc.get("layers") if isinstance(doc, dict) else None
     if not isinstance(layers, list) or not all(isinstance(x, dict) and isinstance(x.get("digest"), str)
@@ -86,8 +88,8 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
         folder = root / "folders" / str(config.get("digest")).replace(":", "-")
         if folder.parent != root / "folders" or not (folder / "config.json").is_file():
             raise StoreError(f"{manifest}: the model's folder is missing: {folder}")
-        return str(folder), folder.name.removeprefix("sha256-"), ModelPreset()
-    model, preset = None, ModelPreset()
+        return str(folder), folder.name.removeprefix("sha256-"), ModelPreset(), None
+    model, preset, adapter = None, ModelPreset(), None
     for layer in layers:
         kind = layer["mediaType"].removeprefix(MEDIA_TYPE)
         if not DIGEST.fullmatch(layer["digest"]):
@@ -114,12 +116,15 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
                 text = _read_text(blob, manifest, "license")
                 preset.license = text if preset.license is None else f"{preset.license}\n{text}"
             elif kind == "adapter":
-                raise StoreError(f"{manifest}: has a LoRA adapter layer, which gpushare does not apply")
+                if adapter is not None or not blob.is_file():
+                    raise StoreError(f"{manifest}: the adapter layer's blob is missing ({blob}), or there are "
+                                     f"several adapter layers (one is served)")
+                adapter = str(blob)
         except OptionError as e:
             raise StoreError(str(e)) from None
     if model is None:
         raise StoreError(f"{manifest}: no {MEDIA_TYPE}model layer (a GGUF)")
-    return str(model), model.name.removeprefix("sha256-"), preset
+    return str(model), model.name.removeprefix("sha256-"), preset, adapter
 
 
 # manifest path -> ((mtime_ns, size), result): a listing reads each manifest once until it changes,
@@ -127,8 +132,8 @@ def read_manifest(root: Path, manifest: Path) -> tuple[str, str, ModelPreset]:
 _cache: dict[Path, tuple[tuple, object]] = {}
 
 
-def scan_store(root: Path) -> list[tuple[str, Path, str, str, ModelPreset]]:
-    """(name, manifest, GGUF path, sha256 hex, preset) of every servable model in one store."""
+def scan_store(root: Path) -> list[tuple[str, Path, str, str, ModelPreset, str | None]]:
+    """(name, manifest, GGUF path, sha256 hex, preset, adapter path or None) of every servable model in one store."""
     manifests_dir = root / "manifests"
     if not manifests_dir.is_dir():
         return []

@@ -7,7 +7,8 @@ sizes are counts, one GGUF layer, at most MAX_LAYERS, small text layers) and so 
 disk space for what is not already in the store. The manifest's layers become the model's
 parts as in Ollama's store (ollama_store.read_manifest): the GGUF is the weights; params,
 system, messages and license are its defaults; the Go template is kept but not run (the
-GGUF's own Jinja template is); a projector (mmproj) or adapter layer is refused by name.
+GGUF's own Jinja template is); a projector (mmproj) layer is refused by name. An adapter layer
+(a GGUF LoRA) is fetched like the model layer: the model is that adapter on those weights.
 An `hf.co/...` name whose repo has no GGUF is fetched as a safetensors folder (hf_pull.py).
 Pulls of one name at once share one Pull; when the last watcher leaves it is cancelled, and
 what it had written stays for the next try to resume.
@@ -32,8 +33,7 @@ log = logging.getLogger("gpushare.pull")
 
 MEDIA = "application/vnd.ollama.image."
 DEFAULTS_LAYERS = ("params", "system", "messages", "license", "template")
-REFUSED_LAYERS = {"projector": "a vision projector (mmproj) layer: images are not supported yet",
-                  "adapter": "a LoRA adapter layer: adapters are not applied yet"}
+REFUSED_LAYERS = {"projector": "a vision projector (mmproj) layer: images are not supported yet"}
 MAX_LAYERS = 64
 MAX_TEXT_LAYER_BYTES = 1 << 20  # what ollama_store reads of a params/system/template/license layer
 
@@ -90,9 +90,9 @@ def check_manifest(body: bytes, name: PullName) -> list[tuple[str, str, int]]:
     for kind, (media, digest, size) in zip(kinds, out[-len(layers):]):
         if kind in REFUSED_LAYERS:
             raise PullError(f'"{name.display}" has {REFUSED_LAYERS[kind]} ({media})')
-        if kind != "model" and kind not in DEFAULTS_LAYERS:
+        if kind not in ("model", "adapter") and kind not in DEFAULTS_LAYERS:
             raise PullError(f'"{name.display}" has a layer gpushare does not know: {media}')
-        if kind != "model" and size > MAX_TEXT_LAYER_BYTES:
+        if kind not in ("model", "adapter") and size > MAX_TEXT_LAYER_BYTES:
             raise PullError(f"{where}: the {kind} layer is {size} bytes, over {MAX_TEXT_LAYER_BYTES}")
     if kinds.count("model") != 1:
         raise PullError(f"{where} has {kinds.count('model')} GGUF ({MEDIA}model) layers; a model needs one")

@@ -72,13 +72,14 @@ def cmd_ps(args) -> int:
         weights = f"{m.get('weights', '')} {m.get('kernel', '')}".strip()
         rows.append([m["name"], m["digest"][:12], human_bytes(m["size"]), processor, str(m["context_length"]),
                      until_text, f"{m['kv_blocks_used']}/{m['kv_blocks_total']}", f"{m['running']}/{m['queued']}",
-                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights])
+                     device, str(m.get("worker_pid") or ""), (m.get("details") or {}).get("kind", ""), weights,
+                     m.get("base", "")])
     for m in data.get("loading", []):  # on their way in: queued for memory, or loading
         until_text = f"Loading {m['load_progress']:.0%}" if m["state"] == "loading" else "Waiting for memory"
-        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", ""])
+        rows.append([m["name"], "", "", "", "", until_text, "", f"0/{m['requests']}", "", "", "", "", ""])
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
-                       "WORKER PID", "KIND", "WEIGHTS"]))
+                       "WORKER PID", "KIND", "WEIGHTS", "BASE"]))  # BASE: a LoRA adapter's, its SIZE its own
     return 0
 
 
@@ -149,8 +150,11 @@ def cmd_create(args) -> int:
             raise ApiFailure(f"cannot read {args.file}: {e.strerror}") from None
         except ModelfileError as e:
             raise ApiFailure(str(e)) from None
-        base = os.path.join(os.path.dirname(os.path.abspath(args.file)), os.path.expanduser(parsed.base))
+        folder = os.path.dirname(os.path.abspath(args.file))
+        base = os.path.join(folder, os.path.expanduser(parsed.base))
         source = base if os.path.exists(base) else parsed.base
+        if parsed.adapter is not None:  # relative to the Modelfile, as FROM is
+            body["adapter"] = os.path.join(folder, os.path.expanduser(parsed.adapter))
         preset = parsed.preset
         body.update({k: v for k, v in (("parameters", preset.options), ("system", preset.system),
                                        ("template", preset.template), ("messages", preset.messages),

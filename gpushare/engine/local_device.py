@@ -120,6 +120,17 @@ class LocalDevice(Device):
     def drop_warm(self, warm_key: tuple) -> None:
         """The warm tier holds the model itself: letting go of it is all there is to do."""
 
+    def attach_adapter(self, name: str, base: str, path: str) -> int:
+        """Serve the LoRA adapter at `path` as `name` on loaded model `base`; its weight bytes. Blocking."""
+        from gpushare.models.lora import read_adapter
+
+        adapter = in_passing_thread(read_adapter, path, name).result()
+        self.engine.add_adapter(name, base, adapter)
+        return adapter.nbytes
+
+    def detach_adapter(self, name: str) -> None:
+        self.engine.remove_adapter(name)
+
 
 def local_devices(configs: dict[str, EngineConfig]) -> dict[str, LocalDevice]:
     """``engine.isolation: thread``: each device's engine on a thread of this process (no isolation)."""

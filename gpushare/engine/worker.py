@@ -39,6 +39,7 @@ from gpushare.engine.test_hooks import install_test_stall
 from gpushare.protocol.outputs import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
+from gpushare.models.lora import read_adapter
 from gpushare.catalog.tensor_split import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
@@ -132,6 +133,9 @@ class WorkerHost:
         elif isinstance(message, (m.LoadModel, m.UnloadModel)):
             self._loader.submit(_reply, self.outbox, message.call_id,
                                 self._load if isinstance(message, m.LoadModel) else self._unload, message)
+        elif isinstance(message, (m.AttachAdapter, m.DetachAdapter)):  # in order with the loads of their bases
+            self._loader.submit(_reply, self.outbox, message.call_id,
+                                self._attach if isinstance(message, m.AttachAdapter) else self._detach, message)
         elif isinstance(message, m.DropWarm):
             self._loader.submit(self.warm.pop, message.warm_key, None)
         elif isinstance(message, m.SetTenants):
@@ -184,6 +188,17 @@ class WorkerHost:
     def _unload(self, message: m.UnloadModel) -> None:
         self.engine.remove_model(message.name)
         _retire(self.loaded, self.warm, message)
+
+    def _attach(self, message: m.AttachAdapter) -> int:
+        """The adapter's weight bytes, once it serves; ValueError naming what does not fit."""
+        if self.spec.group is not None:
+            raise ValueError(f"adapter {message.name!r}: LoRA adapters are not served on tensor-parallel models")
+        adapter = read_adapter(message.path, message.name)
+        self.engine.add_adapter(message.name, message.base, adapter)
+        return adapter.nbytes
+
+    def _detach(self, message: m.DetachAdapter) -> None:
+        self.engine.remove_adapter(message.name)
 
 
 def _take_or_load(spec: m.WorkerSpec, warm: dict, message: m.LoadModel, progress=None) -> tuple:

@@ -35,6 +35,7 @@ class LoraAdapter:
     weights: dict = field(default_factory=dict)  # (layer, target) -> (A [r, in], B [out, r]) float32
     base_name: str = ""  # the base it says it was trained on (base_model_name_or_path), "" if unsaid
     rope_order: bool = False  # q and k lora_B rows in llama.cpp's GGUF RoPE order (fit_to_base undoes it)
+    arch: str = ""  # the architecture it says it is for (a GGUF's general.architecture), "" if unsaid
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +59,9 @@ def check_rank(name: str, rank) -> int:
 def fit_to_base(adapter: LoraAdapter, config: ModelConfig, base: str) -> None:
     """ValueError naming the adapter, the base, the tensor and both shapes where they do not fit; a GGUF
     adapter's q and k lora_B rows are put back in the base's row order."""
+    if adapter.arch and adapter.arch != config.arch:
+        raise ValueError(f"adapter {adapter.name!r} is for architecture {adapter.arch!r}, base {base!r} is "
+                         f"{config.arch!r}")
     for (layer, target), (a, b) in adapter.weights.items():
         if layer >= config.num_layers:
             raise ValueError(f"adapter {adapter.name!r} has layer {layer}, base {base!r} has "
@@ -177,7 +181,8 @@ def read_gguf(path: str, name: str) -> LoraAdapter:
     rank = check_rank(name, next(iter(weights.values()))[0].shape[0])
     _check_ranks(name, weights, rank)
     alpha = float(fields.get("adapter.lora.alpha") or rank)
-    return LoraAdapter(name, rank, alpha / rank, weights, str(fields.get("general.basename") or ""), rope_order=True)
+    return LoraAdapter(name, rank, alpha / rank, weights, str(fields.get("general.basename") or ""), rope_order=True,
+                       arch=str(fields.get("general.architecture") or ""))
 
 
 def read_adapter(path: str, name: str) -> LoraAdapter:

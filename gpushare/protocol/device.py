@@ -7,7 +7,8 @@ for), and an engine in this very process (engine/local_device.LocalDevice: the o
 benchmarks' in-process baseline, ``engine.isolation: thread`` and the registry's tests).
 
 The engine's side (submit ... last_tick_s) answers from the latest EngineSnapshot and never blocks;
-the residency's side (load, unload, drop_warm) blocks, so the registry calls it off the event loop.
+the residency's side (load, unload, drop_warm, attach_adapter, detach_adapter) blocks, so the
+registry calls it off the event loop.
 """
 
 from __future__ import annotations
@@ -73,3 +74,9 @@ class Device(Protocol):
         """What the supervisor's warm tier keeps of the model under ``warm_key``, or None."""
 
     def drop_warm(self, warm_key: tuple) -> None: ...
+
+    def attach_adapter(self, name: str, base: str, path: str) -> int:
+        """Serve the LoRA adapter at `path` (a PEFT folder or a GGUF LoRA) as model `name` on loaded model
+        `base`; returns its weight bytes. ValueError naming what is wrong when it does not fit."""
+
+    def detach_adapter(self, name: str) -> None: ...

@@ -2,7 +2,7 @@
 
 They travel pickled over a multiprocessing Connection on a socket pair. Supervisor -> worker:
 the WorkerSpec (with its GroupSpec on a tensor-parallel rank) once, then requests (Submit, Cancel, Embed), model moves (LoadModel,
-UnloadModel, DropWarm), settings (SetTenants, SetShareWeight) and Stop. Worker -> supervisor:
+UnloadModel, DropWarm, and a LoRA adapter's AttachAdapter and DetachAdapter on a loaded base), settings (SetTenants, SetShareWeight) and Stop. Worker -> supervisor:
 Ready once, then Outputs (every output of one engine loop turn, in one message), Snapshot (the
 engine's state after that turn), Progress of a load and the Reply to each call.
 """
@@ -74,6 +74,21 @@ class UnloadModel:
     call_id: int
     name: str
     warm_key: tuple | None = None  # keep the model warm under this key
+
+
+@dataclass
+class AttachAdapter:
+    """Serve the LoRA adapter at `path` as model `name` on loaded model `base`; the reply is its bytes."""
+    call_id: int
+    name: str
+    base: str
+    path: str
+
+
+@dataclass
+class DetachAdapter:
+    call_id: int
+    name: str
 
 
 @dataclass

@@ -45,6 +45,12 @@ class LoadedEntry:
     timer: asyncio.TimerHandle | None = None
     retired: bool = False  # its config entry is gone: takes no new request, unloads once idle
     device: Device | None = None  # the device it is loaded on: what requests submit to
+    base: LoadedEntry | None = None  # a LoRA adapter's: the base it is attached to, which it holds a lease on
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's model its requests run on (whose stats the snapshot has): its own, or its base's."""
+        return self.base.name if self.base is not None else self.name
 
     @property
     def device_name(self) -> str:
@@ -78,6 +84,7 @@ class LoadJob:
     task: asyncio.Task | None = None
     device: str | None = None  # where it loads (placement), once chosen
     replica: bool = False  # a further copy, loaded in the background (no request waits for it)
+    base: LoadedEntry | None = None  # a LoRA adapter's: the loaded base it attaches to
 
     @property
     def progress(self) -> float:

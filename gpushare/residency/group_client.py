@@ -182,3 +182,10 @@ class GroupClient(Device):
     def drop_warm(self, warm_key: tuple) -> None:
         for rank in self.ranks:
             rank.drop_warm(warm_key)
+
+    def attach_adapter(self, name: str, base: str, path: str) -> int:
+        """The first rank refuses it (a ValueError): adapters are not split over ranks."""
+        return self.leader.attach_adapter(name, base, path)
+
+    def detach_adapter(self, name: str) -> None:
+        self.leader.detach_adapter(name)

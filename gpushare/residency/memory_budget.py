@@ -9,17 +9,25 @@ estimate with the real number once the model has loaded.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import os
 import struct
 from dataclasses import dataclass
 
-from gpushare.catalog.model_files import ModelFileError, open_regular, weight_files
+from gpushare.catalog.model_files import ModelFileError, open_regular, weight_files, without_paths
+from gpushare.residency.entries import ModelLoadError
+
+log = logging.getLogger("gpushare.registry")
 
 DEFAULT_GPU_BUDGET_FRACTION = 0.9  # of the device's memory: the CUDA context and allocator slack need the rest
 DEFAULT_CPU_BUDGET_FRACTION = 0.8  # of the host RAM available at start
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors format's own cap on its JSON header
+# Reading a model's header (its tensor table, its config): seconds for a file that is slow to read
+# (a stalled network mount). FIFOs and devices are refused at open (catalog/model_files.py).
+HEADER_READ_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -75,6 +83,19 @@ def count_tensors(path: str) -> TensorCount:
     return count_safetensors(path) if os.path.isdir(path) else count_gguf_tensors(path)
 
 
+async def read_tensor_count(what: str, path: str) -> TensorCount:
+    """count_tensors off the event loop within HEADER_READ_TIMEOUT_S; ModelLoadError (refused: a 422)
+    naming `what` (`model "NAME"`) when its files are refused or too slow to read."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(count_tensors, path), HEADER_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ModelLoadError(f"failed to load {what}: its files took over {HEADER_READ_TIMEOUT_S:g}s to read",
+                             refused=True) from None
+    except (OSError, ValueError) as e:
+        log.warning("sizing %s (%s) failed: %s", what, path, e)
+        raise ModelLoadError(f"failed to load {what}: {without_paths(str(e), path)}", refused=True) from e
+
+
 # bytes per weight of the quantized formats, scales included: int4 keeps two float32 numbers per
 # group of 32 (0.25 bytes a weight) and its output matrix in int8
 _QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.8}
@@ -114,6 +135,7 @@ class Resident:
     size_bytes: int
     last_used: float
     evictable: bool  # idle (no running or queued request) and not pinned
+    counted: bool = True  # counts against max_loaded_models (a LoRA adapter does not)
 
 
 def plan_evictions(residents: list[Resident], need_bytes: int, used_bytes: int, budget_bytes: int,
@@ -128,5 +150,5 @@ def plan_evictions(residents: list[Resident], need_bytes: int, used_bytes: int, 
         victim = candidates.pop(0)
         victims.append(victim)
         used_bytes -= victim.size_bytes
-        num_models -= 1
+        num_models -= victim.counted
     return victims

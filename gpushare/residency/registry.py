@@ -28,13 +28,14 @@ from pathlib import Path
 from gpushare.catalog.blob_store import drop_unused
 from gpushare.catalog.model_files import without_paths
 from gpushare.settings.settings import Settings
-from gpushare.residency.memory_budget import default_budget_bytes
+from gpushare.residency.memory_budget import HEADER_READ_TIMEOUT_S, default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
 from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
                                            describe_files, describe_model, model_sources)
 from gpushare.protocol.device import Device
+from gpushare.residency.adapter_residency import adapters_of
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
-from gpushare.residency.residency import HEADER_READ_TIMEOUT_S, Residency
+from gpushare.residency.residency import Residency
 from gpushare.settings.model_options import ModelPreset
 from gpushare.protocol.weight_format import resolve_weights
 
@@ -183,14 +184,16 @@ class Registry:
 
     # ------------------------------------------------------------------ create / remove
 
-    def create(self, name: str, target: str, preset: ModelPreset | None = None) -> ModelSource:
+    def create(self, name: str, target: str, preset: ModelPreset | None = None,
+               adapter: str | None = None) -> ModelSource:
         """Register `target` (a GGUF file, an HF folder or a model name) as `name` in models_dir, with
-        `preset` on top of the target's own (catalog/model_create.py: a symlink, or a .modelfile). A model
-        of ours replaced while loaded takes its new presets at once; on other weights it unloads once idle."""
-        create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset)
+        `preset` on top of the target's own and `adapter` served on it (catalog/model_create.py: a symlink, or
+        a .modelfile). A model of ours replaced while loaded takes its new presets at once; on other weights
+        it unloads once idle."""
+        create_model(self.settings.models_dir, self.sources(), self.find, name, target, preset, adapter)
         source = self.find(name)
         entry = self.residency.loaded.get(source.name)
-        if entry is not None and entry.source.path == source.path:
+        if entry is not None and (entry.source.path, entry.source.adapter) == (source.path, source.adapter):
             entry.source = source
         elif entry is not None:
             entry.retired = True
@@ -227,7 +230,8 @@ class Registry:
             lease = Lease(entry, 0.0)
         else:
             t0 = time.monotonic()
-            entry = await self.residency.join(source, self.max_requests_per_model)  # returns holding our lease
+            entry = await (self._join_adapter(source) if source.adapter is not None
+                           else self.residency.join(source, self.max_requests_per_model))  # holding our lease
             lease = Lease(entry, time.monotonic() - t0)
         entry.last_used = time.monotonic()
         self._set_keep_alive(entry, keep_alive_s)
@@ -238,6 +242,14 @@ class Registry:
         finally:
             entry.outstanding_tokens -= lease.tokens
             self._release(entry)
+
+    async def _join_adapter(self, source: ModelSource) -> LoadedEntry:
+        """Load adapter `source` onto its base, loading the base first (or using it where it is loaded)."""
+        if not source.path:
+            raise ModelNotFound(f'model "{source.name}" is an adapter of "{source.base}", which is not found '
+                                f"(or is itself an adapter)")
+        async with self.use(source.base) as base_lease:  # held until the adapter's entry holds the base
+            return await self.residency.join(source, self.max_requests_per_model, base=base_lease.entry)
 
     def pick_copy(self, name: str) -> LoadedEntry | None:
         """The loaded copy of `name` with the fewest tokens outstanding (prompt plus max_tokens of the
@@ -265,7 +277,10 @@ class Registry:
             return False
         for entry in copies:
             entry.keep_alive_s = 0.0
-            if entry.active == 0:
+        for adapter in adapters_of(self.residency, source.name):  # each gives its lease on the base back
+            await self.unload(adapter.name)
+        for entry in copies:
+            if entry.active == 0 and self.residency.holds(entry):
                 await asyncio.shield(self.residency.start_unload(entry))
         return True
 
@@ -291,7 +306,7 @@ class Registry:
         sources = self.sources()
         for entry in self.residency.entries():
             new = sources.get(entry.name)
-            if new is None or new.path != entry.source.path:
+            if new is None or (new.path, new.adapter) != (entry.source.path, entry.source.adapter):
                 entry.retired = True
                 if entry.active == 0:
                     self.residency.start_unload(entry)

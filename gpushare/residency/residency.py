@@ -18,7 +18,8 @@ first, never a pinned one nor one with running or queued requests; then it loads
 model in a worker thread, from the warm tier when it is there, else from its file with
 progress. With no idle model to unload it waits up to `room_wait_timeout_s` (RegistryFull,
 503 with Retry-After); a model that can never fit or a load that fails raises
-ModelLoadError and frees what it took. Unloaded models go to the warm tier.
+ModelLoadError and frees what it took. Unloaded models go to the warm tier. A LoRA adapter's job
+attaches it to its leased base instead (adapter_residency.py).
 
 Everything here runs on the asyncio loop; devices' blocking load and unload calls run in threads.
 """
@@ -30,8 +31,9 @@ import logging
 import time
 
 from gpushare.catalog.model_files import without_paths
+from gpushare.residency import adapter_residency
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
-from gpushare.residency.memory_budget import Resident, count_tensors, estimate_weight_bytes, plan_evictions
+from gpushare.residency.memory_budget import Resident, estimate_weight_bytes, plan_evictions, read_tensor_count
 from gpushare.catalog.model_catalog import ModelSource
 from gpushare.residency.warm_cache import WarmCache
 from gpushare.residency.worker_client import WorkerDied
@@ -41,9 +43,6 @@ log = logging.getLogger("gpushare.registry")
 
 ROOM_WAIT_TIMEOUT_S = 300.0  # as Ollama's OLLAMA_LOAD_TIMEOUT: how long a load waits for busy models
 DEVICE_POLL_S = 1.0  # how often a load waiting for an unhealthy device looks again
-# Reading a model's header (its tensor table, its config): seconds for a file that is slow to read
-# (a stalled network mount). FIFOs and devices are refused at open (catalog/model_files.py).
-HEADER_READ_TIMEOUT_S = 60.0
 
 
 class Residency:
@@ -52,7 +51,7 @@ class Residency:
         self.dtype = dtype
         self.weights = weights  # engine.weights: the format of models whose entry names none
         self._on_loaded = on_loaded  # (LoadedEntry) -> None, when a job has put a model in
-        self._release = release  # (LoadedEntry) -> None, to give a lease back
+        self.release = release  # (LoadedEntry) -> None, to give a lease back
         self._find_device = find_device or (lambda text: text)  # models[].device as written -> device name
         self.model_groups: dict[str, str] = {}  # tensor-parallel model -> its group's device (group_client.py)
         self.loaded: dict[str, LoadedEntry] = {}  # each model's first copy, by name
@@ -124,10 +123,12 @@ class Residency:
         return self._own_bytes(device) + sum(self._own_bytes(g) for g, other in self.devices.items()
                                              if other.world_size > 1 and device in other.members)
 
+    def model_count(self, device: str) -> int:
+        """The models loaded on `device`, as max_loaded_models counts them: adapters are not."""
+        return sum(1 for e in self.entries() if e.device_name == device and e.base is None)
+
     def residents(self, device: str) -> list[Resident]:
-        return [Resident(e.key, e.size_bytes, e.last_used,
-                         e.active == 0 and not e.source.pinned and not e.device.has_work(e.name))
-                for e in self.entries() if e.device_name == device]
+        return adapter_residency.residents([e for e in self.entries() if e.device_name == device])
 
     def _entry(self, key: str) -> LoadedEntry:
         return next(e for e in self.entries() if e.key == key)
@@ -150,7 +151,7 @@ class Residency:
             return None
 
         def fits_now(device: str) -> bool:
-            counted = len([e for e in self.entries() if e.device_name == device])
+            counted = self.model_count(device)
             return plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
                                   self.max_models, counted) is not None
 
@@ -187,7 +188,7 @@ class Residency:
     def evict_over_limits(self) -> None:
         """After the limits shrank: unload idle models, least recently used first, until they hold."""
         for device in self.devices:
-            count = len([e for e in self.entries() if e.device_name == device])
+            count = self.model_count(device)
             victims = plan_evictions(self.residents(device), 0, self.used_bytes(device), self.budget_bytes,
                                      self.max_models + 1, count)
             for victim in victims or []:
@@ -195,8 +196,9 @@ class Residency:
 
     # ------------------------------------------------------------------ load
 
-    async def join(self, source: ModelSource, max_waiters: int) -> LoadedEntry:
-        """Wait for `source` to load (starting its job if none runs); returns holding a lease on it."""
+    async def join(self, source: ModelSource, max_waiters: int, base: LoadedEntry | None = None) -> LoadedEntry:
+        """Wait for `source` to load (starting its job if none runs); returns holding a lease on it. An
+        adapter attaches to `base`, which the caller holds a lease on meanwhile (adapter_residency.py)."""
         while True:
             entry = self.loaded.get(source.name)
             if entry is not None and not entry.retired:
@@ -207,7 +209,7 @@ class Residency:
                 continue
             job = self.jobs.get(source.name)
             if job is None:
-                job = self.jobs[source.name] = LoadJob(source)
+                job = self.jobs[source.name] = LoadJob(source, base=base)
                 job.task = asyncio.get_running_loop().create_task(self._run(job))
             if job.waiters >= max_waiters:
                 raise RegistryFull(f'model "{source.name}" has {job.waiters} requests waiting for it to load, the '
@@ -218,7 +220,7 @@ class Residency:
                 return await asyncio.shield(job.task)
             except asyncio.CancelledError:
                 if job.task.done() and not job.task.cancelled() and job.task.exception() is None:
-                    self._release(job.task.result())  # loaded just as we left: give our lease back
+                    self.release(job.task.result())  # loaded just as we left: give our lease back
                 else:
                     job.waiters -= 1
                 raise
@@ -235,16 +237,7 @@ class Residency:
     async def _run(self, job: LoadJob, job_key: str | None = None) -> LoadedEntry:
         source = job.source
         try:
-            estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
-            job.device = self.place(source, estimate_bytes, {e.device_name for e in self.copies(source.name)})
-            if job.device is None:
-                raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
-            estimate_bytes, parameter_count = await self._size(source, job.device)  # its weight format there
-            key = self.warm_key(source, job.device)
-            evictions = await self._wait_for_room(job, estimate_bytes)
-            job.state = "loading"
-            await asyncio.gather(*evictions, *self.unloading.values())
-            entry = await self._load(job, key, estimate_bytes, parameter_count)
+            entry = await (adapter_residency.attach(self, job) if job.base is not None else self._place_and_load(job))
             entry.active = job.waiters  # each waiting request holds a lease from this moment
             if job.replica and self.loaded.get(source.name) is not None:
                 self.replicas.setdefault(source.name, []).append(entry)
@@ -256,28 +249,34 @@ class Residency:
             del self.jobs[job_key or source.name]
             self.notify_room()
 
+    async def _place_and_load(self, job: LoadJob) -> LoadedEntry:
+        source = job.source
+        estimate_bytes, parameter_count = await self._size(source, next(iter(self.devices)))
+        job.device = self.place(source, estimate_bytes, {e.device_name for e in self.copies(source.name)})
+        if job.device is None:
+            raise ModelLoadError(f'no device is left for another copy of model "{source.name}"')
+        estimate_bytes, parameter_count = await self._size(source, job.device)  # its weight format there
+        key = self.warm_key(source, job.device)
+        evictions = await self.wait_for_room(job, estimate_bytes)
+        job.state = "loading"
+        await asyncio.gather(*evictions, *self.unloading.values())
+        return await self._load(job, key, estimate_bytes, parameter_count)
+
     async def _size(self, source: ModelSource, device: str) -> tuple[int, int]:
         """(estimated weight bytes, per rank of a tensor-parallel group, and parameter count) of `source` on
         `device`, from its tensor table."""
         key = self.warm_key(source, device)
         if key not in self._sizes:
-            try:
-                count = await asyncio.wait_for(asyncio.to_thread(count_tensors, source.path), HEADER_READ_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise ModelLoadError(f'failed to load model "{source.name}": its files took over '
-                                     f"{HEADER_READ_TIMEOUT_S:g}s to read", refused=True) from None
-            except (OSError, ValueError) as e:
-                log.warning("sizing %s (%s) failed: %s", source.name, source.path, e)
-                raise ModelLoadError(f'failed to load model "{source.name}": {without_paths(str(e), source.path)}',
-                                     refused=True) from e
+            count = await read_tensor_count(f'model "{source.name}"', source.path)
             weights = resolve_weights(self.weights_of(source), self.kind(device), set(count.source_types))
             per_rank_bytes = -(-estimate_weight_bytes(count, weights) // self.devices[device].world_size)
             self._sizes[key] = (per_rank_bytes, count.parameters)
         return self._sizes[key]
 
-    async def _wait_for_room(self, job: LoadJob, need_bytes: int) -> list[asyncio.Task]:
+    async def wait_for_room(self, job: LoadJob, need_bytes: int) -> list[asyncio.Task]:
         """Reserve `need_bytes` of the budget, starting the unloads that make room; waits while busy
-        models hold it. ModelLoadError when it could never fit, RegistryFull after the wait timeout."""
+        models hold it. ModelLoadError when it could never fit, RegistryFull after the wait timeout.
+        Adapters count in bytes only, never against max_loaded_models."""
         source, device = job.source, job.device
         deadline = time.monotonic() + self.room_wait_timeout_s
         while True:
@@ -301,9 +300,10 @@ class Residency:
                     f'failed to load model "{source.name}": not enough memory on device {device}: it needs '
                     f"{need_bytes} bytes of weights, memory.budget is {self.budget_bytes} bytes, the KV pool "
                     f"(memory.kv_budget) takes {kv_pool_bytes} and pinned models hold {pinned_bytes}")
-            reserving = sum(1 for j in self.jobs.values() if j.reserved_bytes and j.device == device)
+            reserving = sum(1 for j in self.jobs.values() if j.reserved_bytes and j.device == device and not j.base)
+            counted = 0 if job.base is not None else self.model_count(device) + reserving
             victims = plan_evictions(self.residents(device), need_bytes, self.used_bytes(device), self.budget_bytes,
-                                     self.max_models, len(here) + reserving)
+                                     self.max_models, counted)
             if victims is not None:
                 job.reserved_bytes = need_bytes
                 return [self.start_unload(self._entry(v.name)) for v in victims]
@@ -366,14 +366,19 @@ class Residency:
             entry.timer.cancel()
             entry.timer = None
         self._forget(entry)
-        task = asyncio.get_running_loop().create_task(self._unload(entry))
+        adapters = [self.start_unload(a) for a in self.entries() if a.base is entry]  # detached before it goes
+        task = asyncio.get_running_loop().create_task(self._unload(entry, adapters))
         self.unloading[entry.key] = task
         self.unloading_entries.append(entry)
         return task
 
-    async def _unload(self, entry: LoadedEntry) -> None:
-        warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) else None
+    async def _unload(self, entry: LoadedEntry, adapters: list[asyncio.Task]) -> None:
+        warm_key = entry.warm_key if self.warm.fits(entry.weight_bytes) and entry.base is None else None
         try:
+            await asyncio.gather(*adapters)
+            if entry.base is not None:
+                await adapter_residency.detach(self, entry)
+                return
             kept = await asyncio.to_thread(entry.device.unload, entry.name, entry.model, warm_key)
             if kept is not None:
                 self.warm.put(entry.warm_key, kept, entry.weight_bytes, entry.name)
@@ -391,7 +396,7 @@ class Residency:
         for job in list(self.jobs.values()):
             await asyncio.gather(job.task, return_exceptions=True)
         self.warm.resize(0)  # shutting down: nothing to keep warm for
-        for entry in self.entries():
+        for entry in sorted(self.entries(), key=lambda e: e.base is None):  # adapters before their bases
             await asyncio.shield(self.start_unload(entry))
 
 

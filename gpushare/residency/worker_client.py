@@ -217,6 +217,15 @@ class WorkerClient(Device):
     def drop_warm(self, warm_key: tuple) -> None:
         self._send_quietly(m.DropWarm(warm_key))
 
+    def attach_adapter(self, name: str, base: str, path: str) -> int:
+        """Serve the LoRA adapter at `path` as `name` on loaded model `base`; its weight bytes. Blocking;
+        ValueError (as the worker raised it) when it does not fit the base or its file is refused."""
+        return self._call(lambda call_id: m.AttachAdapter(call_id, name, base, path)).result()
+
+    def detach_adapter(self, name: str) -> None:
+        """Blocking; its requests end with an error."""
+        self._call(lambda call_id: m.DetachAdapter(call_id, name)).result()
+
     # ---- plumbing -------------------------------------------------------------------------
     def _send(self, message) -> None:
         with self._send_lock:

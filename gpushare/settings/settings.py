@@ -53,7 +53,7 @@ class ServerSettings:
 @dataclass
 class ModelEntry:
     name: str
-    path: str
+    path: str  # the weights; of an adapter entry, "" (its base's, found by name when it loads)
     keep_alive_s: float | None = None  # None: the server default
     preload: bool = False  # load at daemon start
     pinned: bool = False  # never evicted nor unloaded (implies preload)
@@ -66,6 +66,8 @@ class ModelEntry:
     tensor_parallel: int | str = 1  # devices its layers are split over (one group), or "auto"
     tensor_parallel_devices: list[str] | None = None  # engine.devices entries of the group, in rank order
     tensor_parallel_cross_numa: bool = False  # accept a group whose devices talk over the inter-socket link
+    adapter: str | None = None  # a LoRA adapter (a PEFT folder or a GGUF LoRA) served on model `base`
+    base: str | None = None  # the models[] entry or store model an adapter runs on
 
 
 @dataclass
@@ -146,18 +148,16 @@ def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[Model
         key = f"models[{i}]"
         d = expect_mapping(item, key)
         reject_unknown(d, {"name", "path", "keep_alive", "preload", "pinned", "weight", "weights", "options",
-                           "system", "device", "replicas", *TENSOR_PARALLEL_KEYS}, key + ".")
-        for required in ("name", "path"):
+                           "system", "device", "replicas", "adapter", "base", *TENSOR_PARALLEL_KEYS}, key + ".")
+        adapter, base = _read_adapter(d, key, base_dir)
+        for required in ("name", "base") if adapter else ("name", "path"):
             if not isinstance(d.get(required), str) or not d[required].strip():
                 raise ConfigError(f"{key}.{required}: required, must be a non-empty string, got {d.get(required)!r}")
         name = d["name"].strip()
         if name in seen:
             raise ConfigError(f"{key}.name: duplicate model name {name!r}")
         seen.add(name)
-        path = Path(d["path"]).expanduser()
-        path = path if path.is_absolute() else base_dir / path
-        if not path.exists():
-            raise ConfigError(f"{key}.path: no such file or folder: {str(path)!r}")
+        path = _existing_path(d["path"], f"{key}.path", base_dir) if not adapter else ""
         keep_alive = parse_duration_s(d["keep_alive"], f"{key}.keep_alive") if "keep_alive" in d else None
         flags = {}
         for flag in ("preload", "pinned"):
@@ -183,8 +183,37 @@ def _read_models(raw: Any, base_dir: Path, engine: EngineSettings) -> list[Model
                               f"{len(engine.devices)}, got {replicas}")
         entries.append(ModelEntry(name=name, path=str(path), keep_alive_s=keep_alive, weight=float(weight),
                                   weights=weights, options=options, system=d.get("system"), device=device,
-                                  replicas=replicas, **flags, **read_tensor_parallel(d, key, engine.devices)))
+                                  replicas=replicas, adapter=adapter, base=base, **flags,
+                                  **read_tensor_parallel(d, key, engine.devices)))
     return entries
+
+
+def _existing_path(text: str, key: str, base_dir: Path) -> str:
+    """`text` as a path (relative to the config's folder) that exists; ConfigError naming `key` otherwise."""
+    path = Path(text).expanduser()
+    path = path if path.is_absolute() else base_dir / path
+    if not path.exists():
+        raise ConfigError(f"{key}: no such file or folder: {str(path)!r}")
+    return str(path)
+
+
+def _read_adapter(d: dict, key: str, base_dir: Path) -> tuple[str | None, str | None]:
+    """(adapter path, base name) of a models[] entry, both None for an ordinary model. An adapter names its
+    base instead of a path: its weights are the base's (docs/architecture.md, LoRA adapters)."""
+    if "adapter" not in d:
+        if "base" in d:
+            raise ConfigError(f"{key}.base: only an adapter entry (with {key}.adapter) names a base")
+        return None, None
+    if not isinstance(d["adapter"], str) or not d["adapter"].strip():
+        raise ConfigError(f"{key}.adapter: must be the path of a PEFT folder or a GGUF LoRA, got {d['adapter']!r}")
+    if "path" in d:
+        raise ConfigError(f"{key}.path: an adapter entry runs on its base's weights: give {key}.base, not a path")
+    for other in ("replicas", "device", *TENSOR_PARALLEL_KEYS):
+        if other in d:
+            raise ConfigError(f"{key}.{other}: an adapter runs where its base is loaded; set it on the base")
+    if not isinstance(d.get("base"), str) or not d["base"].strip():
+        raise ConfigError(f"{key}.base: required with {key}.adapter: the name of the model it runs on")
+    return _existing_path(d["adapter"], f"{key}.adapter", base_dir), d["base"].strip()
 
 
 def read_tensor_parallel_models(raw: Any, engine: EngineSettings) -> list[ModelEntry]:
