@@ -70,3 +70,13 @@ def test_bfloat16_runs_on_cpu_and_agrees_on_the_first_token(llm, smollm2_path):
     reference = llm.generate([ids], greedy(8))[0].token_ids
     # bf16 rounding may change later near-ties; the first answer token must survive it.
     assert len(tokens) == 8 and tokens[0] == reference[0]
+
+
+def test_a_dense_folder_served_quantized_lets_go_of_its_file(smollm2_path, tmp_path):
+    """Served as int8, a float32 folder's tensors are copies: a view into safetensors' mapping would
+    keep the whole file mapped, every page read resident beside the quantized copy, for the model's life."""
+    folder = random_llama_folder(smollm2_path, str(tmp_path / "tiny"))
+    loaded = load_model(folder, weights="int8")
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split()[-1] for line in maps if line.rstrip().endswith(".safetensors")]
+    assert loaded.model is not None and not [path for path in mapped if path.startswith(folder)]

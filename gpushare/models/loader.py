@@ -77,7 +77,11 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
                     name = text_model_name(hf_name)
                     if name is None:
                         continue
-                    name, dense = hf_tensor(name, tensors.get_tensor(hf_name).float(), config)
+                    # a copy even of a float32 tensor: a view would keep the whole file's mapping, every
+                    # page of it read, resident for as long as the model (a dense folder served as int4
+                    # held its float32 file besides)
+                    read = tensors.get_tensor(hf_name).to(torch.float32, copy=True)
+                    name, dense = hf_tensor(name, read, config)
                     target = target_of(name, weights)
                     state[name] = dense if target is None else quantize(name, dense, target)
         except Exception as e:
