@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/lora_serving.py --prepare-only  # only make (or find) the adapters and merged models
 
 Step 1 makes `--adapters` (16) seeded PEFT LoRA adapters for SmolLM2-135M-Instruct (the bundled Q4_1 GGUF,
-dequantized by transformers): r=16, lora_alpha=32, targets q,k,v,o,gate,up,down, random A and B
+dequantized by transformers): r=16, lora_alpha=32, on all seven targets q,k,v,o,gate,up,down
+(`--targets all`) or on q and v (`--targets qv`, PEFT's default for Llama), random A and B
 (`init_lora_weights=False`) with B scaled so that each target's update is DELTA_RATIO of its base
 weight (larger updates turn a 135M model's answers to noise). Each adapter is saved as a PEFT folder and,
 merged into the base (`merge_and_unload`), as a safetensors folder with the tokenizer and config. Both
@@ -49,19 +50,20 @@ from serve import run_benchmark  # noqa: E402
 from gpushare.protocol.weight_format import WEIGHT_FORMATS  # noqa: E402
 
 RANK, ALPHA = 16, 32
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGET_SETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+               "qv": ["q_proj", "v_proj"]}  # qv: what PEFT's LoraConfig targets on a Llama by default
 DELTA_RATIO = 0.05  # |B A| * alpha / r over |W| per target: answers differ from the base's and stay fluent
 INPUT_WORDS = (32, 64)  # prompt length, as memory.py's bursts
 START_TIMEOUT_S = 900  # a fresh cache builds the C++ kernels and measures their verdict first
 WARMUP_SEED, MEASURED_SEED = 1000, 0  # the warm-up's prompts are not the measured ones (no prefix-cache hits)
 
 
-def adapter_dir(work_dir: str, i: int) -> str:
-    return os.path.join(work_dir, f"adapter-{i:02d}")
+def adapter_dir(work_dir: str, targets: str, i: int) -> str:
+    return os.path.join(work_dir, f"adapter-{targets}-{i:02d}")
 
 
-def merged_dir(work_dir: str, i: int) -> str:
-    return os.path.join(work_dir, f"merged-{i:02d}")
+def merged_dir(work_dir: str, targets: str, i: int) -> str:
+    return os.path.join(work_dir, f"merged-{targets}-{i:02d}")
 
 
 def scale_updates(peft_model) -> None:
@@ -78,11 +80,11 @@ def scale_updates(peft_model) -> None:
                 b.mul_(DELTA_RATIO * module.get_base_layer().weight.norm() / update.norm())
 
 
-def make_models(gguf: str, work_dir: str, count: int, seed: int) -> None:
+def make_models(gguf: str, work_dir: str, targets: str, count: int, seed: int) -> None:
     """The adapters and merged models of step 1 that --work-dir does not hold yet. Each is written under a
     .tmp name and renamed when complete, so a run stopped midway leaves nothing that a rerun would take."""
-    missing = [i for i in range(count) if not (os.path.isdir(adapter_dir(work_dir, i))
-                                               and os.path.isdir(merged_dir(work_dir, i)))]
+    missing = [i for i in range(count) if not (os.path.isdir(adapter_dir(work_dir, targets, i))
+                                               and os.path.isdir(merged_dir(work_dir, targets, i)))]
     if not missing:
         return
     import torch
@@ -103,30 +105,34 @@ def make_models(gguf: str, work_dir: str, count: int, seed: int) -> None:
     for i in missing:
         torch.manual_seed(seed + i)
         # a copy per adapter: get_peft_model wraps the model's linears and merge_and_unload overwrites them
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS,
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGET_SETS[targets],
                                                                init_lora_weights=False))
         scale_updates(model)
-        adapter_tmp, merged_tmp = adapter_dir(work_dir, i) + ".tmp", merged_dir(work_dir, i) + ".tmp"
+        adapter_tmp = adapter_dir(work_dir, targets, i) + ".tmp"
+        merged_tmp = merged_dir(work_dir, targets, i) + ".tmp"
         model.save_pretrained(adapter_tmp)
         merged = model.merge_and_unload()
         merged.save_pretrained(merged_tmp)
         tokenizer.save_pretrained(merged_tmp)
-        for tmp, final in ((merged_tmp, merged_dir(work_dir, i)), (adapter_tmp, adapter_dir(work_dir, i))):
+        finals = merged_dir(work_dir, targets, i), adapter_dir(work_dir, targets, i)
+        for tmp, final in zip((merged_tmp, adapter_tmp), finals):
             shutil.rmtree(final, ignore_errors=True)  # the half of a pair a stopped run renamed already
             os.replace(tmp, final)
-        print(f"  adapter {i}: {adapter_dir(work_dir, i)}, merged {merged_dir(work_dir, i)}", file=sys.stderr)
+        print(f"  adapter {i}: {adapter_dir(work_dir, targets, i)}, merged {merged_dir(work_dir, targets, i)}",
+              file=sys.stderr)
 
 
-def model_entries(way: str, gguf: str, work_dir: str, count: int, merged_weights: str | None) -> list[dict]:
+def model_entries(way: str, gguf: str, work_dir: str, targets: str, count: int,
+                  merged_weights: str | None) -> list[dict]:
     """config `models[]` of a way: the base alone (a), the base and the adapters (b), the merged models (c)."""
     base = {"name": MODEL_NAME, "path": gguf}
     if way == "a":
         return [base]
     if way == "b":
-        return [base] + [{"name": f"ad{i}", "adapter": adapter_dir(work_dir, i), "base": MODEL_NAME}
+        return [base] + [{"name": f"ad{i}", "adapter": adapter_dir(work_dir, targets, i), "base": MODEL_NAME}
                          for i in range(count)]
     weights = {"weights": merged_weights} if merged_weights else {}
-    return [{"name": f"merged{i}", "path": merged_dir(work_dir, i), **weights} for i in range(count)]
+    return [{"name": f"merged{i}", "path": merged_dir(work_dir, targets, i), **weights} for i in range(count)]
 
 
 def stream_models(way: str, count: int) -> list[str]:
@@ -169,7 +175,7 @@ def measure_way(way: str, args, gguf: str, run_dir: str) -> dict:
     os.makedirs(os.path.join(way_dir, "cache"), exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    entries = model_entries(way, gguf, args.work_dir, args.adapters, args.merged_weights)
+    entries = model_entries(way, gguf, args.work_dir, args.targets, args.adapters, args.merged_weights)
     config_path = os.path.join(way_dir, "gpushare.yaml")
     with open(config_path, "w") as f:
         yaml.safe_dump(daemon_config(port, way_dir, entries), f)
@@ -217,7 +223,8 @@ def report(rows: dict, args, machine: dict) -> str:
     """Step 3: the markdown table, the ratios and the machine facts."""
     labels = {"a": "(a) base alone", "b": f"(b) base + {args.adapters} adapters",
               "c": f"(c) {args.adapters} merged models"}
-    lines = [f"{args.adapters} streams at once, {args.rounds} rounds of {args.tokens} greedy tokens each", "",
+    lines = [f"{args.adapters} streams at once, {args.rounds} rounds of {args.tokens} greedy tokens each; adapters "
+             f"r={RANK} on {','.join(TARGET_SETS[args.targets])}", "",
              "| way | tok/s | TTFT p50 ms | TTFT p99 ms | RSS MiB | PSS MiB | loaded | weights (kernel) |",
              "|---|---|---|---|---|---|---|---|"]
     for way, row in rows.items():
@@ -262,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="chats each stream sends one after another (default 4)")
     p.add_argument("--tokens", type=int, default=96, help="output tokens of each chat (default 96)")
     p.add_argument("--seed", type=int, default=0, help="adapter i is made with seed SEED + i")
+    p.add_argument("--targets", default="all", choices=sorted(TARGET_SETS),
+                   help="the adapters' target modules: all seven (default) or q and v (PEFT's default)")
     p.add_argument("--ways", default="abc", help="which of (a), (b), (c) to run (default abc)")
     p.add_argument("--merged-weights", default=None, choices=WEIGHT_FORMATS,
                    help="models[].weights of the merged models (default: the daemon's auto, float32 for a "
@@ -275,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.adapters, args.rounds, args.tokens = 2, 1, 16
     gguf = find_gguf()
-    make_models(gguf, args.work_dir, args.adapters, args.seed)
+    make_models(gguf, args.work_dir, args.targets, args.adapters, args.seed)
     if args.prepare_only:
         return 0
     run_dir = os.path.join(args.work_dir, "runs", time.strftime("%Y%m%d-%H%M%S"))
