@@ -42,7 +42,7 @@ def layer_lora(rows: int, slots: int, rank: int, gen: torch.Generator, device: s
         start, stacks = 0, []
         for out, inp in parts:
             stacks.append((start, out, (torch.randn(slots, rank, inp, generator=gen) / 10).to(device),
-                           (torch.randn(slots, out, rank, generator=gen) / 10).to(device)))
+                           (torch.randn(slots, rank, out, generator=gen) / 10).to(device)))
             start += out
         work.append((y.to(device), x, stacks))
     slot_of_row = torch.randint(0, slots, (rows,), generator=gen, dtype=torch.int32).to(device)

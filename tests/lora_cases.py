@@ -44,9 +44,9 @@ class Case:
 
 def stacks(rank: int, adapter_rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B stacks of SLOTS adapters of rank ``adapter_rank`` padded with zeros to ``rank``."""
-    a_stack, b_stack = torch.zeros(SLOTS, rank, IN_FEATURES), torch.zeros(SLOTS, OUT_FEATURES, rank)
+    a_stack, b_stack = torch.zeros(SLOTS, rank, IN_FEATURES), torch.zeros(SLOTS, rank, OUT_FEATURES)
     a_stack[:, :adapter_rank] = torch.randn(SLOTS, adapter_rank, IN_FEATURES, generator=gen) / 10
-    b_stack[:, :, :adapter_rank] = torch.randn(SLOTS, OUT_FEATURES, adapter_rank, generator=gen) / 10
+    b_stack[:, :adapter_rank] = torch.randn(SLOTS, adapter_rank, OUT_FEATURES, generator=gen) / 10
     return a_stack, b_stack
 
 

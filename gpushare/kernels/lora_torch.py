@@ -4,12 +4,13 @@ own adapter to a linear's output in one call (the base weight's product is compu
 Layout (produced by the adapter loader, shared with the other kernels):
 
 - ``a_stack`` float32 ``[slots, rank, in_features]`` and ``b_stack`` float32
-  ``[slots, out_features, rank]``: one slot per loaded adapter, ranks below ``rank`` padded with
-  zeros (a zero row of A and column of B add nothing);
+  ``[slots, rank, out_features]`` (B transposed: a rank's output columns contiguous, so the expand
+  runs along them): one slot per loaded adapter, ranks below ``rank`` padded with zeros (a zero row
+  of A and of B add nothing);
 - ``slot_of_row`` int32 ``[rows]``: the slot of each row's adapter, ``-1`` for the base alone;
 - ``scale_of_slot`` float32 ``[slots]``: ``lora_alpha / r`` of each slot's adapter.
 
-``y[t] += scale_of_slot[s] * b_stack[s] @ (a_stack[s] @ x[t])`` for each row ``t`` with
+``y[t] += scale_of_slot[s] * b_stack[s].T @ (a_stack[s] @ x[t])`` for each row ``t`` with
 ``s = slot_of_row[t] >= 0``; other rows are left as they are.
 """
 
@@ -23,5 +24,5 @@ def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
             continue
         rows = (slot_of_row == slot).nonzero().squeeze(1)
         shrunk = x[rows].to(torch.float32) @ a_stack[slot].T
-        y[rows] += (scale_of_slot[slot] * (shrunk @ b_stack[slot].T)).to(y.dtype)
+        y[rows] += (scale_of_slot[slot] * (shrunk @ b_stack[slot])).to(y.dtype)
     return y

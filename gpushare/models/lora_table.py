@@ -81,12 +81,12 @@ class AdapterTable:
                 for target in targets:
                     out_features, in_features = target_shape(self.model.config, target)
                     a_stack = torch.zeros(len(adapters), rank, in_features)
-                    b_stack = torch.zeros(len(adapters), out_features, rank)
+                    b_stack = torch.zeros(len(adapters), rank, out_features)
                     for s, adapter in enumerate(adapters):
                         pair = adapter.weights.get((i, target))
                         if pair is not None:
                             a_stack[s, :adapter.rank] = pair[0]
-                            b_stack[s, :, :adapter.rank] = pair[1]
+                            b_stack[s, :adapter.rank] = pair[1].T
                     parts.append((start, out_features, a_stack.to(device), b_stack.to(device)))
                     self.a_stacks.append(parts[-1][2])
                     self.b_stacks.append(parts[-1][3])
