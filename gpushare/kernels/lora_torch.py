@@ -3,10 +3,11 @@ own adapter to a linear's output in one call (the base weight's product is compu
 
 Layout (produced by the adapter loader, shared with the other kernels):
 
-- ``a_stack`` float32 ``[slots, rank, in_features]`` and ``b_stack`` float32
-  ``[slots, rank, out_features]`` (B transposed: a rank's output columns contiguous, so the expand
-  runs along them): one slot per loaded adapter, ranks below ``rank`` padded with zeros (a zero row
-  of A and of B add nothing);
+- ``a_stack`` ``[slots, rank, in_features]`` and ``b_stack`` ``[slots, rank, out_features]`` (B
+  transposed: a rank's output columns contiguous, so the expand runs along them): one slot per
+  loaded adapter, ranks below ``rank`` padded with zeros (a zero row of A and of B add nothing);
+  both float32 or both bfloat16 (models/lora_table.py chooses), widened to float32 as they are read,
+  every sum in float32;
 - ``slot_of_row`` int32 ``[rows]``: the slot of each row's adapter, ``-1`` for the base alone;
 - ``scale_of_slot`` float32 ``[slots]``: ``lora_alpha / r`` of each slot's adapter.
 
@@ -23,6 +24,6 @@ def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
         if slot < 0:
             continue
         rows = (slot_of_row == slot).nonzero().squeeze(1)
-        shrunk = x[rows].to(torch.float32) @ a_stack[slot].T
-        y[rows] += (scale_of_slot[slot] * (shrunk @ b_stack[slot])).to(y.dtype)
+        shrunk = x[rows].to(torch.float32) @ a_stack[slot].float().T
+        y[rows] += (scale_of_slot[slot] * (shrunk @ b_stack[slot].float())).to(y.dtype)
     return y
