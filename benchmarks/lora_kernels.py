@@ -6,9 +6,10 @@
     python benchmarks/lora_kernels.py --device cuda                   # GPU: torch and Triton
 
 One step's LoRA of one SmolLM2-135M layer's targets (q 576, k 192, v 192 and o 576 wide on hidden
-576; gate and up 1536 wide on 576; down 576 wide on 1536), 16 slots of rank 16, each row's slot
-drawn at random; q, k and v go into column slices of one fused qkv output, gate and up into one
-gate_up output, as the model's linears pass them. Each figure is the best of ``--reps`` passes
+576; gate and up 1536 wide on 576; down 576 wide on 1536), 16 slots of rank 16 (bfloat16 stacks, as
+a quantized base's; ``--stacks float32`` as the exact path's), each row's slot drawn at random; q,
+k and v go into column slices of one fused qkv output, gate and up into one gate_up output, as the
+model's linears pass them. Each figure is the best of ``--reps`` passes
 (models/cpu_kernels.best_time_s; on CUDA each pass ends in a synchronize). Run it with nothing else
 running.
 """
@@ -32,7 +33,7 @@ def torch_path(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
     y.copy_(lora_torch.lora_apply(y.contiguous(), x, a_stack, b_stack, slot_of_row, scale_of_slot))
 
 
-def layer_lora(rows: int, slots: int, rank: int, gen: torch.Generator, device: str):
+def layer_lora(rows: int, slots: int, rank: int, stacks_dtype: torch.dtype, gen: torch.Generator, device: str):
     """A function that runs ``lora_apply`` (given) on every target of one layer, adding into the
     layer's outputs (``fresh``: copies of them, returned; else in place, as timed)."""
     work = []
@@ -41,8 +42,8 @@ def layer_lora(rows: int, slots: int, rank: int, gen: torch.Generator, device: s
         x = torch.randn(rows, parts[0][1], generator=gen).to(device)
         start, stacks = 0, []
         for out, inp in parts:
-            stacks.append((start, out, (torch.randn(slots, rank, inp, generator=gen) / 10).to(device),
-                           (torch.randn(slots, out, rank, generator=gen) / 10).to(device)))
+            stacks.append((start, out, (torch.randn(slots, rank, inp, generator=gen) / 10).to(device, stacks_dtype),
+                           (torch.randn(slots, rank, out, generator=gen) / 10).to(device, stacks_dtype)))
             start += out
         work.append((y.to(device), x, stacks))
     slot_of_row = torch.randint(0, slots, (rows,), generator=gen, dtype=torch.int32).to(device)
@@ -79,6 +80,7 @@ def main() -> int:
     p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--stacks", default="bfloat16", choices=["bfloat16", "float32"], help="the stacks' dtype")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -87,11 +89,13 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     chosen = paths(args.paths or ["torch", "cpp" if args.device == "cpu" else "triton"])
-    print(f"us per layer's LoRA (7 targets), {args.slots} slots of rank {args.rank}, best of {args.reps}, "
+    print(f"us per layer's LoRA (7 targets), {args.slots} {args.stacks} slots of rank {args.rank}, "
+          f"best of {args.reps}, "
           f"{args.device}{f', {args.threads} threads' if args.device == 'cpu' else ''}; max |difference| from torch")
     print(f"{'path':16}" + "".join(f"{'rows ' + str(r):>24}" for r in args.rows))
     gen = torch.Generator().manual_seed(0)
-    runs = {rows: layer_lora(rows, args.slots, args.rank, gen, args.device) for rows in args.rows}
+    stacks_dtype = getattr(torch, args.stacks)
+    runs = {rows: layer_lora(rows, args.slots, args.rank, stacks_dtype, gen, args.device) for rows in args.rows}
     with torch.inference_mode():
         for name, lora_apply in chosen.items():
             cells = []

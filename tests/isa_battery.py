@@ -126,12 +126,12 @@ def lora_apply_cases():
 
 
 def decode_adapters(hidden: int, q_width: int, kv_width: int, mlp: int, gen: torch.Generator) -> tuple:
-    """decode_layers' LoRA arguments for two layers: three rank-8 slots of q, k, v, o, gate, up and down,
-    and the slots of three rows (one of the base)."""
+    """decode_layers' LoRA arguments for two layers: three rank-8 slots of q, k, v, o, gate, up and down
+    (bfloat16, as on a quantized base), and the slots of three rows (one of the base)."""
     shapes = [(q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width), (mlp, hidden),
               (mlp, hidden), (hidden, mlp)]
-    a_stacks = [torch.randn(3, 8, k, generator=gen) / 10 for _ in range(2) for _, k in shapes]
-    b_stacks = [torch.randn(3, n, 8, generator=gen) / 10 for _ in range(2) for n, _ in shapes]
+    a_stacks = [(torch.randn(3, 8, k, generator=gen) / 10).bfloat16() for _ in range(2) for _, k in shapes]
+    b_stacks = [(torch.randn(3, 8, n, generator=gen) / 10).bfloat16() for _ in range(2) for n, _ in shapes]
     return a_stacks, b_stacks, torch.tensor([2, -1, 0], dtype=torch.int32), torch.tensor([2.0, 0.5, 1.0])
 
 

@@ -1,6 +1,7 @@
 """Batched LoRA on fixed inputs, for test_lora_kernels and the ISA battery: ranks 8, 16 and 64 (and a
 rank-8 adapter padded into a rank-16 stack), 1, 7 and 64 rows of mixed slots with base rows (-1),
-float32 and bfloat16 rows, ``y`` whole or a column slice of a wider output (as the fused qkv's).
+float32 and bfloat16 rows, ``y`` whole or a column slice of a wider output (as the fused qkv's), on
+float32 stacks and (at rank 16) on bfloat16 ones, as a quantized base's adapters are stored.
 
 Run as a script with ``GPUSHARE_CPU_ISA`` set, it saves the C++ kernel's output of every case at 1 and
 2 threads, so that test_lora_kernels can check each ISA's build against the torch reference:
@@ -42,19 +43,21 @@ class Case:
         return y
 
 
-def stacks(rank: int, adapter_rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A and B stacks of SLOTS adapters of rank ``adapter_rank`` padded with zeros to ``rank``."""
-    a_stack, b_stack = torch.zeros(SLOTS, rank, IN_FEATURES), torch.zeros(SLOTS, OUT_FEATURES, rank)
+def stacks(rank: int, adapter_rank: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B stacks in ``dtype`` of SLOTS adapters of rank ``adapter_rank`` padded with zeros to ``rank``."""
+    a_stack, b_stack = torch.zeros(SLOTS, rank, IN_FEATURES), torch.zeros(SLOTS, rank, OUT_FEATURES)
     a_stack[:, :adapter_rank] = torch.randn(SLOTS, adapter_rank, IN_FEATURES, generator=gen) / 10
-    b_stack[:, :, :adapter_rank] = torch.randn(SLOTS, OUT_FEATURES, adapter_rank, generator=gen) / 10
-    return a_stack, b_stack
+    b_stack[:, :adapter_rank] = torch.randn(SLOTS, adapter_rank, OUT_FEATURES, generator=gen) / 10
+    return a_stack.to(dtype), b_stack.to(dtype)
 
 
 def cases() -> list[Case]:
     gen = torch.Generator().manual_seed(39)
     out = []
-    for rank, adapter_rank in [(8, 8), (16, 16), (16, 8), (64, 64)]:
-        a_stack, b_stack = stacks(rank, adapter_rank, gen)
+    for rank, adapter_rank, stack_dtype in [(8, 8, torch.float32), (16, 16, torch.float32), (16, 8, torch.float32),
+                                            (64, 64, torch.float32), (16, 16, torch.bfloat16),
+                                            (16, 8, torch.bfloat16)]:
+        a_stack, b_stack = stacks(rank, adapter_rank, gen, stack_dtype)
         scale_of_slot = torch.rand(SLOTS, generator=gen) + 0.5
         for rows in (1, 7, 64):
             slot_of_row = torch.randint(-1, SLOTS, (rows,), generator=gen, dtype=torch.int32)
@@ -64,8 +67,9 @@ def cases() -> list[Case]:
                 x = torch.randn(rows, IN_FEATURES, generator=gen).to(dtype)
                 for sliced in (False, True):
                     y = torch.randn(rows, WIDE if sliced else OUT_FEATURES, generator=gen).to(dtype)
-                    name = (f"lora rank{rank} adapter-rank{adapter_rank} rows{rows} {str(dtype).removeprefix('torch.')}"
-                            f"{' sliced' if sliced else ''}")
+                    name = (f"lora rank{rank} adapter-rank{adapter_rank}"
+                            f"{' bfloat16-stacks' if stack_dtype == torch.bfloat16 else ''} rows{rows} "
+                            f"{str(dtype).removeprefix('torch.')}{' sliced' if sliced else ''}")
                     out.append(Case(name, y, x, a_stack, b_stack, slot_of_row, scale_of_slot, sliced))
     return out
 

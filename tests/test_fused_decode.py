@@ -120,6 +120,10 @@ def test_a_step_with_adapter_rows_gives_the_layer_by_layer_bits(smollm2_path, we
     table = model.adapter_table("base")
     table.add(random_adapter(model, "eight", 8, seed=1))
     table.add(random_adapter(model, "sixteen", 16, seed=2, targets=["q", "k", "v", "o"]))
+    # a quantized base's adapters are stored (and counted) in bfloat16
+    assert {t.dtype for t in table.a_stacks + table.b_stacks} == {torch.bfloat16}
+    assert table.nbytes("eight") == 2 * model.config.num_layers * 8 * sum(
+        sum(target_shape(model.config, t)) for t in TARGETS)
     ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16])
     batch.lora_slots = torch.tensor([0, -1, 1, 0], dtype=torch.int32)
     calls = []

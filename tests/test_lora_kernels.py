@@ -32,8 +32,14 @@ def check(case: lora_cases.Case, got: torch.Tensor) -> None:
     """``got`` (the case's whole ``y`` after a kernel) equals the torch path's within the dtype's
     rounding, and is untouched outside the adapter rows' target columns."""
     want = case.run(torch_path)
-    tolerance = {"rtol": 1e-5, "atol": 1e-5} if case.y.dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
-    torch.testing.assert_close(got, want, **tolerance)
+    if case.y.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        # the delta is rounded to bfloat16 before the add (by Triton's interpreter, truncated: up to two
+        # steps), and another sum order may round it the other way: steps of the operands' size, which
+        # stay when y and the delta cancel, so the tolerance is relative to them, not to the result
+        operands = case.y.float().abs() + want.float().abs()
+        assert ((got.float() - want.float()).abs() <= 1e-2 + 1.6e-2 * operands).all(), case.name
     touched = torch.zeros(case.y.shape, dtype=torch.bool)
     case.target(touched)[case.slot_of_row >= 0] = True
     assert torch.equal(got[~touched], case.y[~touched])

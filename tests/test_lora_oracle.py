@@ -138,6 +138,7 @@ def test_int8_base_with_adapters_stays_close_to_peft(family):
     engine.add_model("base", loaded)
     for name, folder in folders.items():
         engine.add_adapter(name, "base", read_adapter(folder, name))
+    assert loaded.model.adapters.a_stacks[0].dtype == torch.bfloat16  # an int8 base's adapters: bfloat16
     oracles = int8_oracles(base, folders)
     seqs = []
     for name in oracles:

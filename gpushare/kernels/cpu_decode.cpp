@@ -44,7 +44,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList codes, at::TensorList scal
   int64_t start = 0;
   const size_t first = kTargetsPerLayer * i + kFirstTarget[which];
   for (size_t t = first; t < first + kTargets[which]; ++t) {
-    const int64_t width = lora.b[t].size(1);
+    const int64_t width = lora.b[t].size(2);
     gpushare::lora_apply(y.narrow(1, start, width), x, lora.a[t], lora.b[t], *lora.slot_of_row, *lora.scale_of_slot);
     start += width;
   }

@@ -1,12 +1,17 @@
-// Batched LoRA on the CPU: each row's own adapter added to a linear's output in one call, row by row
-// (kernels/lora_torch.py has the layout and is the reference). Per row t of slot s >= 0: shrink x[t] by
-// A[s] into `rank` floats, then y[t, o] += scale[s] * B[s, o] . shrunk for each output column o.
+// Batched LoRA on the CPU: each row's own adapter added to a linear's output in one call, row by row,
+// from float32 or bfloat16 stacks with float32 sums (kernels/lora_torch.py has the layout and is the
+// reference). Per row t of slot s >= 0: shrink x[t] by
+// A[s] into `rank` floats, then y[t, o] += scale[s] * sum_r shrunk[r] * B[s, r, o] for each output
+// column o (B is stored transposed, [rank, out]: the expand runs along a rank's contiguous columns).
 //
 // Why row by row rather than one matmul per adapter: a step's rows mix adapters, and a gather, two
 // matmuls and a scatter per adapter cost more in dispatch than the few thousand multiply-adds a row's
 // adapter is. A decode row's whole call stays under the parallel grain, so it runs inline on the
 // calling thread (no wake of the pool); many rows split over rows (shrink) and output tiles (expand).
-// Each output is one fixed-order dot (rows::dot), whatever the thread count or ISA: the same bits.
+// Each shrunk value is one fixed-order dot (rows::dot) and each output column sums the rank in rank
+// order, one multiply and one add at a time (the build's -ffp-contract=off forbids fusing them), whatever
+// the thread count or ISA: the same bits. The expand's inner loop is over a tile's columns, which the
+// compiler vectorizes without reordering any column's sum.
 //
 // y may be a column slice of a wider row-major tensor (the fused qkv or gate_up output): only its
 // last dim need be contiguous, so the caller passes y.narrow(1, start, width) without a copy.
@@ -51,32 +56,12 @@ void add_columns(T* y, const float* delta, int64_t n) {
   }
 }
 
-}  // namespace
-
-namespace gpushare {
-
-void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& b_in,
-                const at::Tensor& slot_of_row_in, const at::Tensor& scale_of_slot_in) {
-  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
-              "lora_apply: y must be float32 or bfloat16 [rows, out] with contiguous columns");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == y.size(0) &&
-                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
-              "lora_apply: x must be float32 or bfloat16 [rows, in], a row per row of y");
-  TORCH_CHECK(a_in.dim() == 3 && b_in.dim() == 3 && a_in.scalar_type() == at::kFloat &&
-                  b_in.scalar_type() == at::kFloat && a_in.size(0) == b_in.size(0) && a_in.size(1) == b_in.size(2) &&
-                  a_in.size(2) == x_in.size(1) && b_in.size(1) == y.size(1),
-              "lora_apply: a_stack [slots, rank, in] and b_stack [slots, out, rank] float32 must fit x and y");
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
-  const at::Tensor slots = slot_of_row_in.to(at::kInt).contiguous();
-  const at::Tensor scales = scale_of_slot_in.to(at::kFloat).contiguous();
-  const int64_t rows = y.size(0), out = y.size(1), in = x.size(1), rank = a.size(1), slot_count = a.size(0);
-  const int32_t* slot = slots.data_ptr<int32_t>();
-  for (int64_t t = 0; t < rows; ++t)
-    TORCH_CHECK(slot[t] < slot_count, "lora_apply: row ", t, " has slot ", slot[t], " of ", slot_count);
-  if (rows == 0 || rank == 0) return;
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>(), *scale = scales.data_ptr<float>();
-
+// The shrink and the expand of every adapter row, on stacks of float32 or bfloat16 W (widened to float32
+// as they load; every sum in float32).
+template <typename W>
+void apply_stacks(const at::Tensor& y, const at::Tensor& x, const W* ap, const W* bp, int64_t rank,
+                  const int32_t* slot, const float* scale) {
+  const int64_t rows = y.size(0), out = y.size(1), in = x.size(1);
   std::vector<float> shrunk(rows * rank);
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainMacs / std::max<int64_t>(1, rank * in)),
                    [&](int64_t begin, int64_t end) {
@@ -84,7 +69,7 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a
     for (int64_t t = begin; t < end; ++t) {
       if (slot[t] < 0) continue;
       const float* xr = float_row(x, t, scratch);
-      const float* as = ap + slot[t] * rank * in;
+      const W* as = ap + slot[t] * rank * in;
       for (int64_t r = 0; r < rank; ++r) shrunk[t * rank + r] = dot(xr, as + r * in, in);
     }
   });
@@ -96,8 +81,15 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / tiles, first = task % tiles * kColumns, n = std::min(kColumns, out - first);
       if (slot[t] < 0) continue;
-      const float* bs = bp + (slot[t] * out + first) * rank;
-      for (int64_t o = 0; o < n; ++o) delta[o] = scale[slot[t]] * dot(shrunk.data() + t * rank, bs + o * rank, rank);
+      const float* sr = shrunk.data() + t * rank;
+      const W* bs = bp + slot[t] * rank * out + first;
+      std::fill(delta, delta + n, 0.0f);
+      for (int64_t r = 0; r < rank; ++r) {
+        const float s = sr[r];
+        const W* br = bs + r * out;
+        for (int64_t o = 0; o < n; ++o) delta[o] += s * static_cast<float>(br[o]);
+      }
+      for (int64_t o = 0; o < n; ++o) delta[o] *= scale[slot[t]];
       if (y.scalar_type() == at::kFloat) {
         add_columns(y.data_ptr<float>() + t * y.stride(0) + first, delta, n);
       } else {
@@ -105,6 +97,40 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a
       }
     }
   });
+}
+
+}  // namespace
+
+namespace gpushare {
+
+void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a_in, const at::Tensor& b_in,
+                const at::Tensor& slot_of_row_in, const at::Tensor& scale_of_slot_in) {
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1 && (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16),
+              "lora_apply: y must be float32 or bfloat16 [rows, out] with contiguous columns");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == y.size(0) &&
+                  (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "lora_apply: x must be float32 or bfloat16 [rows, in], a row per row of y");
+  TORCH_CHECK(a_in.dim() == 3 && b_in.dim() == 3 && a_in.scalar_type() == b_in.scalar_type() &&
+                  (a_in.scalar_type() == at::kFloat || a_in.scalar_type() == at::kBFloat16) &&
+                  a_in.size(0) == b_in.size(0) && a_in.size(1) == b_in.size(1) && a_in.size(2) == x_in.size(1) &&
+                  b_in.size(2) == y.size(1),
+              "lora_apply: a_stack [slots, rank, in] and b_stack [slots, rank, out], both float32 or both "
+              "bfloat16, must fit x and y");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  const at::Tensor slots = slot_of_row_in.to(at::kInt).contiguous();
+  const at::Tensor scales = scale_of_slot_in.to(at::kFloat).contiguous();
+  const int64_t rows = y.size(0), slot_count = a.size(0);
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] < slot_count, "lora_apply: row ", t, " has slot ", slot[t], " of ", slot_count);
+  if (rows == 0 || a.size(1) == 0) return;
+  if (a.scalar_type() == at::kFloat) {
+    apply_stacks(y, x, a.data_ptr<float>(), b.data_ptr<float>(), a.size(1), slot, scales.data_ptr<float>());
+  } else {
+    apply_stacks(y, x, a.data_ptr<c10::BFloat16>(), b.data_ptr<c10::BFloat16>(), a.size(1), slot,
+                 scales.data_ptr<float>());
+  }
 }
 
 }  // namespace gpushare

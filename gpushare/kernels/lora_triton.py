@@ -2,15 +2,16 @@
 
 Same function and layout as ``lora_torch`` (see its docstring). A gathered shrink-then-expand (as
 S-LoRA's and Punica's): the grid is (row, output tile); each program loads its row's slot, computes
-``x[t] . A[s]ᵀ`` over the rank (BLOCK_K columns of x at a time) and then that ``· B[s]ᵀ`` for its
-BLOCK_N output columns, scales and adds it to ``y``. Rows of slot -1 load and store nothing. The
-shrink is redone by each of a row's output tiles: rank x in multiply-adds, traded for a second
-launch and a round trip of the shrunk rows through memory. Not yet run on a GPU, only under the
+``x[t] . A[s]ᵀ`` over the rank (BLOCK_K columns of x at a time) and then that ``· B[s]`` (stored
+transposed, ``[rank, out]``: a tile's columns are contiguous) for its BLOCK_N output columns,
+scales and adds it to ``y``. Rows of slot -1 load and store nothing. The shrink is redone by each
+of a row's output tiles: rank x in multiply-adds, traded for a second launch and a round trip of
+the shrunk rows through memory. Not yet run on a GPU, only under the
 interpreter: the trade and the tile sizes are a first guess, untimed.
 
 ``y`` may be a column slice of a wider tensor (its row stride is passed), so the fused projections'
-outputs take adapters in place. Numerics as the reference: fp32 sums, the delta rounded to ``y``'s
-dtype before the add.
+outputs take adapters in place. Numerics as the reference: float32 or bfloat16 stacks widened as
+they load, fp32 sums, the delta rounded to ``y``'s dtype before the add.
 """
 
 import torch
@@ -41,14 +42,14 @@ def _lora_kernel(y_ptr, x_ptr, a_ptr, b_ptr, slot_ptr, scale_ptr, out_features, 
         col_ok = cols < in_limit
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=col_ok, other=0.0).to(tl.float32)
         a = tl.load(a_slot + ranks[:, None] * in_features + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         shrunk += tl.sum(a * x[None, :], axis=1)
 
     outs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = outs < out_limit
-    b = tl.load(b_ptr + (slot * out_features + outs[:, None]) * rank + ranks[None, :],
-                mask=out_ok[:, None] & rank_ok[None, :], other=0.0)
-    delta = tl.load(scale_ptr + slot) * tl.sum(b * shrunk[None, :], axis=1)
+    b = tl.load(b_ptr + (slot * rank + ranks[:, None]) * out_features + outs[None, :],
+                mask=rank_ok[:, None] & out_ok[None, :], other=0.0).to(tl.float32)
+    delta = tl.load(scale_ptr + slot) * tl.sum(b * shrunk[:, None], axis=0)
     y_at = y_ptr + row * y_row_stride + outs
     y = tl.load(y_at, mask=out_ok, other=0.0)
     tl.store(y_at, (y.to(tl.float32) + delta.to(y.dtype).to(tl.float32)).to(y.dtype), mask=out_ok)

@@ -32,7 +32,8 @@ class LoraAdapter:
     name: str
     rank: int
     scale: float  # lora_alpha / r (sqrt(r) with rsLoRA)
-    weights: dict = field(default_factory=dict)  # (layer, target) -> (A [r, in], B [out, r]) float32
+    weights: dict = field(default_factory=dict)  # (layer, target) -> (A [r, in], B [out, r]): float32 as read,
+    # then the dtype of the stacks of the base it is loaded on (models/lora_table.py)
     base_name: str = ""  # the base it says it was trained on (base_model_name_or_path), "" if unsaid
     rope_order: bool = False  # q and k lora_B rows in llama.cpp's GGUF RoPE order (fit_to_base undoes it)
     arch: str = ""  # the architecture it says it is for (a GGUF's general.architecture), "" if unsaid

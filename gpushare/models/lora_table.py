@@ -4,6 +4,10 @@ adapter, each target linear's A and B stacked over the slots and padded to the l
 The fused projections hold several targets (q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``): each
 target is a column range of the linear's output with stacks of its own. A slot's missing target is zeros,
 which add nothing. Slots are renumbered when an adapter goes; steps look slots up by name as they start.
+
+The stacks are bfloat16 (as vLLM keeps LoRA weights in the model's dtype: half the bytes a step reads),
+except on the exact path, a base of float32 weights under float32 activations, where they stay float32
+so that the adapters add exactly what peft's do. An adapter's weights are kept in the stacks' dtype.
 """
 
 from dataclasses import dataclass
@@ -16,6 +20,16 @@ from gpushare.models.lora import LoraAdapter, fit_to_base, target_shape
 # linear -> its targets in output-column order
 PARTS = {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",),
          "mlp.gate_up_proj": ("gate", "up"), "mlp.down_proj": ("down",)}
+
+
+def stack_dtype(model) -> torch.dtype:
+    """float32 for a base that runs exact (float32 activations, every target linear's weight float32:
+    dense, or oneDNN's packing of a float32 weight), else bfloat16."""
+    linears = [layer.get_submodule(path) for layer in model.layers for path in PARTS]
+    exact = model.norm.weight.dtype == torch.float32 and all(
+        linear.format == "onednn" or (linear.format == "dense" and linear.weight.dtype == torch.float32)
+        for linear in linears)
+    return torch.float32 if exact else torch.bfloat16
 
 
 @dataclass
@@ -46,6 +60,8 @@ class AdapterTable:
         if adapter.name in self.adapters:
             raise ValueError(f"adapter {adapter.name!r} is already loaded on {self.base_name!r}")
         fit_to_base(adapter, self.model.config, self.base_name)
+        dtype = stack_dtype(self.model)  # kept as the stacks hold it: what its bytes are
+        adapter.weights = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in adapter.weights.items()}
         self.adapters[adapter.name] = adapter
         self.rebuild()
 
@@ -62,6 +78,8 @@ class AdapterTable:
         return list(self.adapters).index(name)
 
     def nbytes(self, name: str) -> int:
+        """Adapter ``name``'s weights' bytes in the stacks' dtype (its slot's padding to a larger loaded
+        rank not counted): what counts against the memory budget and /api/ps shows."""
         return self.adapters[name].nbytes
 
     def rebuild(self) -> None:
@@ -69,6 +87,7 @@ class AdapterTable:
         adapters = list(self.adapters.values())
         device = self.model.norm.weight.device
         rank = max((a.rank for a in adapters), default=0)
+        dtype = stack_dtype(self.model)
         scales = torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=device)
         self.a_stacks, self.b_stacks, self.scale_of_slot = [], [], scales
         for i, layer in enumerate(self.model.layers):
@@ -80,13 +99,13 @@ class AdapterTable:
                 parts, start = [], 0
                 for target in targets:
                     out_features, in_features = target_shape(self.model.config, target)
-                    a_stack = torch.zeros(len(adapters), rank, in_features)
-                    b_stack = torch.zeros(len(adapters), out_features, rank)
+                    a_stack = torch.zeros(len(adapters), rank, in_features, dtype=dtype)
+                    b_stack = torch.zeros(len(adapters), rank, out_features, dtype=dtype)
                     for s, adapter in enumerate(adapters):
                         pair = adapter.weights.get((i, target))
                         if pair is not None:
                             a_stack[s, :adapter.rank] = pair[0]
-                            b_stack[s, :, :adapter.rank] = pair[1]
+                            b_stack[s, :adapter.rank] = pair[1].T
                     parts.append((start, out_features, a_stack.to(device), b_stack.to(device)))
                     self.a_stacks.append(parts[-1][2])
                     self.b_stacks.append(parts[-1][3])
