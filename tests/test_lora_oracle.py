@@ -123,6 +123,25 @@ def int8_oracles(base_folder: str, folders: dict) -> dict:
     return oracles
 
 
+def test_an_adapter_of_q_and_v_alone_matches_peft_and_reads_no_other_stack(family, expected, tmp_path):
+    """PEFT's default targets on a Llama (q and v only): with no loaded adapter on the other five
+    targets their stacks are rank 0, which the kernels skip, and the answers are still peft's."""
+    base, _, _, prompts = family
+    oracle = make_adapter(base, str(tmp_path / "qv"), 16, seed=7, targets=["q_proj", "v_proj"])
+    want = [greedy_transformers(oracle, ids, NEW_TOKENS) for ids in prompts]
+    model = LLM(base, dtype="float32", weights="float32", kv_dtype="float32", num_threads=2, block_size=4)
+    try:
+        model.load_adapter("qv", str(tmp_path / "qv"))
+        table = model.model.model.adapters
+        ranks = [stack.shape[1] for stack in table.a_stacks]
+        got = [o.token_ids for o in model.generate(prompts, greedy(), adapter="qv")]
+    finally:
+        model.shutdown()
+    layers = len(ranks) // 7  # q, k, v, o, gate, up, down a layer
+    assert ranks == [16, 0, 16, 0, 0, 0, 0] * layers
+    assert got == want and want != expected[None]
+
+
 def test_int8_base_with_adapters_stays_close_to_peft(family):
     """Per position of a text, each model's next-token choice on int8 weights (activations rounded too, by
     the block kernel) is peft's over the same int8 weights almost everywhere, all four models' rows in one

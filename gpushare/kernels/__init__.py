@@ -162,7 +162,10 @@ def int4_weight_matmul(x, qweight, scales, mins, group_size):
 def lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot):
     """Add each row's own adapter product to ``y [rows, out]`` in place (kernels/lora_torch.py has the
     layout); ``y`` may be a column slice of a fused projection's output, which the Triton and C++
-    kernels take as it is (the torch path through a copy)."""
+    kernels take as it is (the torch path through a copy). A rank-0 stack (no loaded adapter has this
+    target) adds nothing."""
+    if a_stack.shape[1] == 0:
+        return y
     if _use_triton(y):
         return _ops(y, _lora_torch).lora_apply(y, x, a_stack, b_stack, slot_of_row, scale_of_slot)
     if _cpp_lora(y, x):

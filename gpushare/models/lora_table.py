@@ -1,5 +1,6 @@
 """A model's loaded LoRA adapters as the batched kernel (kernels.lora_apply) takes them: one slot per
-adapter, each target linear's A and B stacked over the slots and padded to the largest loaded rank.
+adapter, each target linear's A and B stacked over the slots and padded to the largest rank loaded
+for that target (rank 0, nothing to read, where no loaded adapter has it).
 
 The fused projections hold several targets (q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``): each
 target is a column range of the linear's output with stacks of its own. A slot's missing target is zeros,
@@ -86,7 +87,6 @@ class AdapterTable:
         """Every target linear's stacks from the loaded adapters (None on all of them when there are none)."""
         adapters = list(self.adapters.values())
         device = self.model.norm.weight.device
-        rank = max((a.rank for a in adapters), default=0)
         dtype = stack_dtype(self.model)
         scales = torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=device)
         self.a_stacks, self.b_stacks, self.scale_of_slot = [], [], scales
@@ -99,8 +99,11 @@ class AdapterTable:
                 parts, start = [], 0
                 for target in targets:
                     out_features, in_features = target_shape(self.model.config, target)
-                    a_stack = torch.zeros(len(adapters), rank, in_features, dtype=dtype)
-                    b_stack = torch.zeros(len(adapters), rank, out_features, dtype=dtype)
+                    # rank 0 where no loaded adapter has this target (PEFT's default adapts q and v
+                    # only): its kernel call returns at once, never reading slots of zeros
+                    width = max((a.rank for a in adapters if (i, target) in a.weights), default=0)
+                    a_stack = torch.zeros(len(adapters), width, in_features, dtype=dtype)
+                    b_stack = torch.zeros(len(adapters), width, out_features, dtype=dtype)
                     for s, adapter in enumerate(adapters):
                         pair = adapter.weights.get((i, target))
                         if pair is not None:
