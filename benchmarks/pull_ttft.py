@@ -3,8 +3,8 @@
 A live daemon (tests/daemon_fixture.py) serves the bundled SmolLM2 GGUF; a registry on
 127.0.0.1 (tests/registry_fixture.py) serves a model whose GGUF layer is --blob-gib GiB of
 random bytes, which the daemon pulls in parallel ranges and then hashes. The registry stands in
-for a remote host, whose CPU is not the node's: it runs in a process of its own at nice 19, so
-that what is measured is the daemon's side of the pull (receiving, writing, hashing), not a
+for a remote host, whose CPU is not the node's: it runs in a process of its own at nice 19 and in
+the idle scheduling class, so that what is measured is the daemon's side of the pull (receiving, writing, hashing), not a
 registry's sending competing on the node's cores, nor this script's own threads. --requests greedy
 chats, one after another, measure TTFT (first streamed chunk with text) alone, then while the
 pull runs (the pull is restarted, under a new tag, whenever it ends before the chats do).
@@ -53,6 +53,7 @@ def registry_child(blob: str) -> None:
     from registry_fixture import Registry, Serving
 
     os.nice(19)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the remote host's CPU is not the node's
     registry = Registry()
     for tag in ("v0", "v1"):
         registry.add_model("library", "big", tag, Path(blob))
