@@ -91,7 +91,7 @@ def test_ps_and_show_name_the_format_and_kernel_despite_stale_verdicts(daemon):
     r = subprocess.run([str(GPUSHARE), "ps"], capture_output=True, text=True, env=daemon.env(), timeout=120)
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.splitlines()
-    assert header.split()[-1] == "WEIGHTS"
+    assert header.split()[-2:] == ["WEIGHTS", "BASE"]  # BASE: blank but for a LoRA adapter
     by_name = {row.split()[0]: row for row in rows}
     from gpushare.kernels import cpu_ops
 
