@@ -12,7 +12,7 @@ from encoder_models import (DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cro
                             xlm_roberta_embedder)
 
 from gpushare.engine.embed_batch import PendingEmbed, take_batch
-from gpushare.engine.embed_queue import budget_tokens
+from gpushare.engine.embed_queue import budget_tokens, layers_this_turn
 from gpushare.engine.engine import Engine
 from gpushare.protocol.engine_config import EngineConfig
 from gpushare.protocol.request import EmbedRequest
@@ -153,6 +153,16 @@ def test_beside_generating_streams_a_batch_takes_a_quarter_of_their_step():
     assert budget_tokens(2048, 0.013, None) == 64  # not measured yet: a small first batch measures it
     assert budget_tokens(2048, 0.013, 1.0) == 1  # a slow model still moves on, an input a batch
     assert budget_tokens(16, 10.0, 0.00025) == 16  # a long step never lifts the token budget
+    assert budget_tokens(2048, 0.013, 0.00025, turns=6) == 78  # a 6-layer encoder's batch spreads over turns
+
+
+def test_beside_generating_streams_an_encoder_pass_runs_the_layers_that_fit_a_quarter_step():
+    """One MiniLM input (6 layers, 16 tokens, 0.28 ms a token: 4.5 ms a pass) beside 4.85 ms SmolLM2
+    steps: a layer a turn (0.75 ms), not the whole pass, which would double the stream's gaps."""
+    assert layers_this_turn(6, 16, 0.00485, 0.00028) == 1
+    assert layers_this_turn(6, 16, 0.013, 0.00028) == 4
+    assert layers_this_turn(6, 16, None, 0.00028) == 6  # nothing generating: the whole pass
+    assert layers_this_turn(6, 16, 0.00485, None) == 1  # not measured yet: one layer
 
 
 def test_an_embedding_flood_never_holds_a_generating_stream_back_more_than_one_batch(bert, llm):

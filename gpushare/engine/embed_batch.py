@@ -2,7 +2,9 @@
 first served, that fit one step's token budget (``max_num_batched_tokens``, at least one input).
 
 The engine runs at most one such batch per loop turn, between two generation steps, so however many
-inputs wait (4,000 in one request), a generating stream's next token waits for one batch at most.
+inputs wait (4,000 in one request), a generating stream's next token waits for one batch at most;
+while streams generate, an encoder batch may run only a few of its layers a turn (EncoderBatch,
+engine/embed_queue.py says how many).
 
 An encoder (models/bert.py) reads its batch padded to the longest input and holds no KV cache; a
 decoder embeds over KV blocks its inputs borrow for the one pass, charged to their tenant, and
@@ -18,6 +20,7 @@ import torch
 from gpushare.protocol.request import KVCacheBusy
 from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.engine.sequence import Sequence
+from gpushare.models.bert import EncoderPass
 from gpushare.models.embedding_pool import pool
 from gpushare.catalog.llm_rerank import yes_no_ids
 from gpushare.catalog.model_head import LoadedModel
@@ -71,8 +74,24 @@ def take_batch(pending: list[PendingEmbed], budget_tokens: int, padded: bool) ->
     return taken
 
 
-def run_encoder(worker: ResidentEncoder, taken: list[tuple[PendingEmbed, int]]) -> None:
-    """One padded forward pass over the taken inputs; each request gets its vectors or scores."""
+@dataclass
+class EncoderBatch:
+    """An encoder batch in flight, perhaps across loop turns: its inputs, their owners, the pass so far."""
+    worker: ResidentEncoder
+    taken: list  # [(PendingEmbed, inputs taken from it)]
+    owners: list  # the request of each input, in the batch's order
+    ids: list
+    state: EncoderPass
+    spent_s: float = 0.0  # its turns' time so far
+
+    @property
+    def tokens(self) -> int:
+        """What the pass computes: the inputs padded to the longest."""
+        return len(self.ids) * max(map(len, self.ids))
+
+
+def start_encoder(worker: ResidentEncoder, taken: list[tuple[PendingEmbed, int]]) -> EncoderBatch:
+    """The taken inputs padded into one pass, through the encoder's embeddings."""
     ids, types, owners = [], [], []
     for item, n in taken:
         start = len(item.results)
@@ -80,15 +99,26 @@ def run_encoder(worker: ResidentEncoder, taken: list[tuple[PendingEmbed, int]]) 
         types += item.type_ids[start:start + n] if item.type_ids else [[0] * len(x) for x in
                                                                         item.inputs[start:start + n]]
         owners += [item] * n
-    model = worker.loaded.model
     with torch.inference_mode():
-        hidden = model(ids, types)
-        scores = model.relevance(hidden).tolist() if any(o.task == "score" for o in owners) else None
-    for row, (item, x) in enumerate(zip(owners, ids)):
+        state = worker.loaded.model.start(ids, types)
+    return EncoderBatch(worker, taken, owners, ids, state)
+
+
+def advance_encoder(batch: EncoderBatch, layers: int) -> bool:
+    """``layers`` more layers of the batch's pass; once it has run them all, each request gets its
+    vectors or scores (and True comes back)."""
+    model = batch.worker.loaded.model
+    with torch.inference_mode():
+        if not model.run_layers(batch.state, layers):
+            return False
+        hidden = batch.state.x
+        scores = model.relevance(hidden).tolist() if any(o.task == "score" for o in batch.owners) else None
+    for row, (item, x) in enumerate(zip(batch.owners, batch.ids)):
         item.results.append(scores[row] if item.task == "score" else pool(hidden[row, :len(x)],
-                                                                           worker.loaded.pooling))
-    worker.steps += 1
-    worker.prompt_tokens += sum(map(len, ids))
+                                                                           batch.worker.loaded.pooling))
+    batch.worker.steps += 1
+    batch.worker.prompt_tokens += sum(map(len, batch.ids))
+    return True
 
 
 def run_decoder(scheduler, runner, taken: list[tuple[PendingEmbed, int]]) -> None:

@@ -1,10 +1,13 @@
 """The engine's waiting embed requests: taken in first come first served, run a batch per loop turn
 (embed_batch.py), settled, cancelled or failed. Touched only on the engine thread.
 
-While streams generate, a batch is sized by time, not only by tokens: it may take at most
-``SHARE_OF_STEP`` of the latest generation step, from each model's measured seconds per embedded token
-(4,000 inputs of a 22M-parameter encoder in 2,048-token batches took 0.65 s a batch on 2 cores, fifty
-times a 13 ms decode step). With no stream generating, batches fill ``max_num_batched_tokens``.
+While streams generate, a turn's embedding work is sized by time, not only by tokens: it may take
+at most ``SHARE_OF_STEP`` of the latest generation step, from each model's measured seconds per
+embedded token (4,000 inputs of a 22M-parameter encoder in 2,048-token batches took 0.65 s a batch
+on 2 cores, fifty times a 13 ms decode step). An encoder batch is also split by layers: a turn runs
+as many of its layers as fit, so even one input, whose pass costs about a decode step of a small
+chat model (one MiniLM input: 4.5 ms beside a 4.9 ms SmolLM2 step), adds only part of a pass to a
+stream's gap. With no stream generating, batches fill ``max_num_batched_tokens`` and run whole.
 """
 
 import logging
@@ -12,27 +15,45 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from gpushare.engine.embed_batch import PendingEmbed, ResidentEncoder, run_decoder, run_encoder, take_batch
+from gpushare.engine.embed_batch import (EncoderBatch, PendingEmbed, ResidentEncoder, advance_encoder, run_decoder,
+                                         start_encoder, take_batch)
 from gpushare.engine.resident_model import ResidentModel
 from gpushare.protocol.request import KVCacheBusy
 
 log = logging.getLogger(__name__)
 
 # A quarter: beside a 4,000-input flood half a step measured 2.1-2.9x a stream's ITL p99 alone, a
-# quarter 1.6-1.9x (the flood's arrival and a first, unmeasured batch add gaps of their own).
+# quarter 1.6-1.9x while batches ran whole (a one-input pass is longer than a quarter step).
 SHARE_OF_STEP = 0.25
 FIRST_BATCH_TOKENS = 64  # beside generation, before a model's cost per token is measured
 
 
-def budget_tokens(max_tokens: int, step_s: float | None, per_token_s: float | None) -> int:
+def budget_tokens(max_tokens: int, step_s: float | None, per_token_s: float | None, turns: int = 1) -> int:
     """A batch's token budget: ``max_tokens`` with no stream generating (``step_s`` None), else what fits
-    SHARE_OF_STEP of their latest step at the model's measured cost per token (FIRST_BATCH_TOKENS while
-    unmeasured); at least 1, so the inputs always move on."""
+    SHARE_OF_STEP of their latest step, ``turns`` times (an encoder's batch may spread over a turn per
+    layer), at the model's measured cost per token (FIRST_BATCH_TOKENS while unmeasured); at least 1,
+    so the inputs always move on."""
     if step_s is None:
         return max_tokens
     if per_token_s is None:
         return min(max_tokens, FIRST_BATCH_TOKENS)
-    return max(1, min(max_tokens, int(SHARE_OF_STEP * step_s / per_token_s)))
+    return max(1, min(max_tokens, int(SHARE_OF_STEP * step_s * turns / per_token_s)))
+
+
+def layers_this_turn(layers: int, tokens: int, step_s: float | None, per_token_s: float | None) -> int:
+    """How many layers of an encoder batch (``layers`` deep, ``tokens`` padded) run this turn: all with
+    no stream generating, else those that fit SHARE_OF_STEP of the step at the model's measured cost
+    per token (one while unmeasured); at least one."""
+    if step_s is None:
+        return layers
+    if per_token_s is None:
+        return 1
+    return max(1, int(SHARE_OF_STEP * step_s * layers / (per_token_s * tokens)))
+
+
+def step_seconds(models: dict[str, ResidentModel]) -> float | None:
+    """The latest step of the models with streams generating; None when none is."""
+    return max((m.last_step_s for m in models.values() if m.scheduler.running), default=None)
 
 
 def batch_tokens(taken: list[tuple[PendingEmbed, int]], padded: bool) -> int:
@@ -45,6 +66,7 @@ def batch_tokens(taken: list[tuple[PendingEmbed, int]], padded: bool) -> int:
 class EmbedQueue:
     pending: list[PendingEmbed] = field(default_factory=list)
     seconds_per_token: dict[str, float] = field(default_factory=dict)  # per model, measured on its batches
+    in_flight: EncoderBatch | None = None  # an encoder batch that has layers left to run
 
     def take(self, item: PendingEmbed, loaded: bool) -> None:
         """Queue ``item``; ``loaded``: whether its model is loaded here (if not, it fails at once)."""
@@ -57,34 +79,69 @@ class EmbedQueue:
 
     def run_batch(self, models: dict[str, ResidentModel], encoders: dict[str, ResidentEncoder],
                   max_tokens: int) -> None:
-        """One batch of the first waiting request's model: at most ``max_tokens`` tokens and, while
-        streams generate, at most SHARE_OF_STEP of their step's time (always at least one input)."""
+        """This turn's embedding work: more layers of the encoder batch in flight, or one new batch of the
+        first waiting request's model, at most ``max_tokens`` tokens and, while streams generate, at most
+        SHARE_OF_STEP of their step's time (always at least one input, one layer)."""
         self.pending = [p for p in self.pending if not p.future.done()]  # cancelled: its client left
+        if self.in_flight is not None:
+            self._advance(models)
+            return
         if not self.pending:
             return
         name = self.pending[0].model_name
         encoder, resident = encoders.get(name), models.get(name)
-        step_s = max((m.last_step_s for m in models.values() if m.scheduler.running), default=None)
-        budget = budget_tokens(max_tokens, step_s, self.seconds_per_token.get(name))
+        per_token_s = self.seconds_per_token.get(name)
+        turns = len(encoder.loaded.model.layers) if encoder is not None else 1
+        budget = budget_tokens(max_tokens, step_seconds(models), per_token_s, turns)
         taken = take_batch(self.pending, budget, padded=encoder is not None)
-        tokens, start_s = batch_tokens(taken, encoder is not None), time.perf_counter()
+        tokens, start_s = batch_tokens(taken, padded=False), time.perf_counter()  # before results move them on
         try:
             if encoder is not None:
-                run_encoder(encoder, taken)
-            else:
-                run_decoder(resident.scheduler, resident.runner, taken)
+                self.in_flight = start_encoder(encoder, taken)
+                self.in_flight.spent_s = time.perf_counter() - start_s
+                self._advance(models)
+                return
+            run_decoder(resident.scheduler, resident.runner, taken)
         except Exception as e:  # the batch's requests fail, never the engine
-            if not isinstance(e, KVCacheBusy):
-                log.exception("engine: an embedding batch failed for model %s", name)
-            for item, _ in taken:
-                self.pending.remove(item)
-                settle(item.future, error=e)
+            self._fail_batch(name, taken, e)
             return
         self.seconds_per_token[name] = (time.perf_counter() - start_s) / tokens
+        self._settle_done(taken)
+
+    def _advance(self, models: dict[str, ResidentModel]) -> None:
+        batch = self.in_flight
+        name = batch.worker.name
+        if all(item.future.done() for item, _ in batch.taken):  # every client left: nothing to finish
+            self.in_flight = None
+            return
+        layers = layers_this_turn(len(batch.worker.loaded.model.layers), batch.tokens, step_seconds(models),
+                                  self.seconds_per_token.get(name))
+        start_s = time.perf_counter()
+        try:
+            done = advance_encoder(batch, layers)
+        except Exception as e:
+            self.in_flight = None
+            self._fail_batch(name, batch.taken, e)
+            return
+        batch.spent_s += time.perf_counter() - start_s
+        if done:
+            self.in_flight = None
+            self.seconds_per_token[name] = batch.spent_s / batch.tokens
+            self._settle_done(batch.taken)
+
+    def _settle_done(self, taken: list[tuple[PendingEmbed, int]]) -> None:
         for item, _ in taken:
-            if item.remaining == 0:
+            if item.remaining == 0 and item in self.pending:
                 self.pending.remove(item)
                 settle(item.future, result=item.results)
+
+    def _fail_batch(self, name: str, taken: list[tuple[PendingEmbed, int]], error: Exception) -> None:
+        if not isinstance(error, KVCacheBusy):
+            log.error("engine: an embedding batch failed for model %s", name, exc_info=error)
+        for item, _ in taken:
+            if item in self.pending:
+                self.pending.remove(item)
+            settle(item.future, error=error)
 
     def cancel(self, request_id: str) -> None:
         for item in [p for p in self.pending if p.request_id == request_id]:
@@ -93,6 +150,8 @@ class EmbedQueue:
 
     def fail(self, error: Exception, model_name: str | None = None) -> None:
         """Fail the waiting requests of ``model_name`` (None: all of them) with ``error``."""
+        if self.in_flight is not None and model_name in (None, self.in_flight.worker.name):
+            self.in_flight = None
         for item in [p for p in self.pending if model_name is None or p.model_name == model_name]:
             self.pending.remove(item)
             settle(item.future, error=error)

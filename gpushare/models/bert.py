@@ -8,6 +8,8 @@ Weights are held under llama.cpp's GGUF tensor names (``hf_encoder_name`` maps a
 checkpoint's onto them), so both formats build the same module. Dense weights only (fp32 / bf16 / fp16).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,6 +115,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+@dataclass
+class EncoderPass:
+    """A forward pass in progress: the hidden states ``[B, L, H]`` after ``next_layer`` layers (the
+    engine runs a few layers a loop turn while streams generate, engine/embed_queue.py)."""
+    x: torch.Tensor
+    key_mask: torch.Tensor  # [B, 1, 1, L] True where a key is a real token
+    rope: tuple | None  # (cos, sin) of a rotary encoder, else None
+    next_layer: int = 0
+
+
 class EncoderModel(nn.Module):
     def __init__(self, config: EncoderConfig, state: dict, dtype=torch.float32, device: str = "cpu"):
         super().__init__()
@@ -136,6 +148,20 @@ class EncoderModel(nn.Module):
 
     def forward(self, ids: list[list[int]], type_ids: list[list[int]] | None = None) -> torch.Tensor:
         """Last hidden states ``[B, L, H]`` of inputs padded to the longest (rows past an input's end are junk)."""
+        state = self.start(ids, type_ids)
+        self.run_layers(state, len(self.layers))
+        return state.x
+
+    def run_layers(self, state: "EncoderPass", count: int) -> bool:
+        """Up to ``count`` more layers of the pass; whether it has run them all."""
+        end = min(len(self.layers), state.next_layer + count)
+        for layer in self.layers[state.next_layer:end]:
+            state.x = layer(state.x, state.key_mask, state.rope)
+        state.next_layer = end
+        return end == len(self.layers)
+
+    def start(self, ids: list[list[int]], type_ids: list[list[int]] | None = None) -> "EncoderPass":
+        """A pass over inputs padded to the longest, through the embeddings, before its first layer."""
         length = max(len(x) for x in ids)
         dev = self.device
         tokens = torch.tensor([x + [0] * (length - len(x)) for x in ids], dtype=torch.long, device=dev)
@@ -153,10 +179,7 @@ class EncoderModel(nn.Module):
             freqs = torch.outer(torch.arange(length, device=dev, dtype=torch.float32), self.inv_freq)
             angles = torch.cat((freqs, freqs), dim=-1)
             rope = (angles.cos().to(self.dtype), angles.sin().to(self.dtype))
-        x = self.embd_norm(x)
-        for layer in self.layers:
-            x = layer(x, key_mask, rope)
-        return x
+        return EncoderPass(self.embd_norm(x), key_mask, rope)
 
     def relevance(self, hidden: torch.Tensor) -> torch.Tensor:
         """A cross-encoder's score per input ``[B]``: its one logit on the first token, through a sigmoid
