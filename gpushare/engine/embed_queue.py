@@ -56,10 +56,10 @@ def step_seconds(models: dict[str, ResidentModel]) -> float | None:
     return max((m.last_step_s for m in models.values() if m.scheduler.running), default=None)
 
 
-def batch_tokens(taken: list[tuple[PendingEmbed, int]], padded: bool) -> int:
-    """The tokens a batch computes: inputs x the longest when padded (an encoder), else their sum."""
-    lengths = [len(ids) for item, n in taken for ids in item.inputs[len(item.results):len(item.results) + n]]
-    return len(lengths) * max(lengths) if padded else sum(lengths)
+def batch_tokens(taken: list[tuple[PendingEmbed, int]]) -> int:
+    """The tokens a decoder's batch computes, its inputs' lengths summed (an encoder's padded batch
+    counts its own: EncoderBatch.tokens)."""
+    return sum(len(ids) for item, n in taken for ids in item.inputs[len(item.results):len(item.results) + n])
 
 
 @dataclass
@@ -94,7 +94,7 @@ class EmbedQueue:
         turns = len(encoder.loaded.model.layers) if encoder is not None else 1
         budget = budget_tokens(max_tokens, step_seconds(models), per_token_s, turns)
         taken = take_batch(self.pending, budget, padded=encoder is not None)
-        tokens, start_s = batch_tokens(taken, padded=False), time.perf_counter()  # before results move them on
+        tokens, start_s = batch_tokens(taken), time.perf_counter()  # before results move them on
         try:
             if encoder is not None:
                 self.in_flight = start_encoder(encoder, taken)
