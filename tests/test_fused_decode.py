@@ -100,6 +100,22 @@ def test_fused_decode_gives_the_layer_by_layer_bits(smollm2_path, weights, kv_dt
     assert torch.equal(alone[0], got[2])  # a row's bits do not depend on its neighbours
 
 
+@pytest.mark.usefixtures("blocks")
+@pytest.mark.parametrize("rows", [33, 64])
+def test_a_wide_step_split_among_the_threads_gives_the_layer_by_layer_bits(smollm2_path, rows):
+    """Wide enough that torch splits its own elementwise ops between the two threads (mid-row at an
+    odd row count), and that the team (cpu_team.h) shares every phase: the bits are still theirs."""
+    torch.set_num_threads(2)
+    model = load_model(smollm2_path, weights="int4").model
+    ids, positions, caches, batch = decode_inputs(model, [5 + 7 * i for i in range(rows)], torch.bfloat16)
+    fused_caches = copied(caches)
+    expected = step(model, False, ids, positions, caches, batch)
+    got = step(model, True, ids, positions, fused_caches, batch)
+    assert model._decode_weights is not None
+    assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(flat(fused_caches), flat(caches)))
+
+
 def random_adapter(model, name: str, rank: int, seed: int, targets=TARGETS) -> LoraAdapter:
     """An adapter of ``rank`` on every layer's ``targets`` of ``model``, random but seeded, not small."""
     gen = torch.Generator().manual_seed(seed)
@@ -160,7 +176,8 @@ def test_a_step_with_prompt_chunks_gives_the_layer_by_layer_bits(smollm2_path, k
 
 
 @pytest.mark.usefixtures("blocks")
-def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, tmp_path):
+def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(fused_decode, "LAYERS_PER_CALL", 5)  # 7 layers: two calls, a pause between
     folder = random_llama_folder(smollm2_path, str(tmp_path / "tiny"), layers=7, hidden=128, inter=256)
     model = load_model(folder, weights="int8").model
     for i, layer in enumerate(model.layers):

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -91,7 +92,7 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 
 // Scratch kept by a thread across its items.
 struct Scratch {
-  std::vector<float> scores, sums, weights;
+  std::vector<float> scores, sums, weights, wide_keys;
   std::vector<const void*> values;
   std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
 };
@@ -140,15 +141,29 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   if (dim % kLanes == 0) {  // kKeysAtOnce tokens at a time, the same bits as one by one below
     const T* keys[kKeysAtOnce];
     float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
+    // Keys stored narrower than float32 are widened once for their head's whole query group (the same
+    // values load16 gives, so the same bits): converting them per query head cost as much as the dots.
+    constexpr bool narrow = !std::is_same_v<T, float>;
+    const bool widen_once = narrow && group > 1;
+    std::vector<float>& wide = scratch.wide_keys;
+    const float* wide_keys[kKeysAtOnce];
+    if (widen_once) {
+      wide.resize(kKeysAtOnce * dim);
+      for (int i = 0; i < kKeysAtOnce; ++i) wide_keys[i] = wide.data() + i * dim;
+    }
     for (; t + kKeysAtOnce <= length; t += kKeysAtOnce)
       for (int64_t head = first_head; head < last_head; ++head) {
         for (int i = 0; i < kKeysAtOnce; ++i) {
           keys[i] = k_row(t + i, head);
           k_scales[i] = k_scale(t + i, head);
+          if (widen_once) widen(keys[i], dim, wide.data() + i * dim);
         }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = (head - first_head) * group + g;
-          dot_keys(q + (head * group + g) * dim, keys, dim, dots);
+          if (widen_once)
+            dot_keys(q + (head * group + g) * dim, wide_keys, dim, dots);
+          else
+            dot_keys(q + (head * group + g) * dim, keys, dim, dots);
           for (int i = 0; i < kKeysAtOnce; ++i) {
             float s = dots[i] * k_scales[i] * scale;
             if (softcap > 0) s = std::tanh(s / softcap) * softcap;
@@ -222,58 +237,75 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
 
 }  // namespace
 
-namespace gpushare {
+namespace gpushare::attention {
 
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                            const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale,
-                            int64_t window, double softcap) {
+Call prepare(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+             const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, double scale, int64_t window,
+             double softcap, int64_t threads) {
   TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "q must be float32 [rows, heads, dim]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
-  const at::Tensor lens = context_lens_in.to(at::kInt).contiguous();
-  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
-  TORCH_CHECK(k_cache.size(3) == dim && q_heads % kv_heads == 0, "q and the KV cache disagree on heads or dim");
-  TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one block table and length per row");
-  const Cache kc = rows::cache_of(k_cache, k_scale), vc = rows::cache_of(v_cache, v_scale);
-  const int64_t group = q_heads / kv_heads;
-  at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < batch; ++b)
-    TORCH_CHECK(lp[b] > 0 && (lp[b] + block_size - 1) / block_size <= width, "a context length exceeds its block table");
-  if (batch == 0) return out;
+  Call c;
+  c.q = q_in.contiguous();
+  c.tables = block_tables_in.to(at::kInt).contiguous();
+  c.lens = context_lens_in.to(at::kInt).contiguous();
+  c.batch = c.q.size(0), c.q_heads = c.q.size(1), c.dim = c.q.size(2);
+  c.block_size = k_cache.size(1), c.kv_heads = k_cache.size(2), c.width = c.tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == c.dim && c.q_heads % c.kv_heads == 0, "q and the KV cache disagree on heads or dim");
+  TORCH_CHECK(c.tables.size(0) == c.batch && c.lens.size(0) == c.batch, "one block table and length per row");
+  c.kc = rows::cache_of(k_cache, k_scale), c.vc = rows::cache_of(v_cache, v_scale);
+  c.group = c.q_heads / c.kv_heads;
+  c.out = at::empty_like(c.q);
+  c.tp = c.tables.data_ptr<int32_t>(), c.lp = c.lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < c.batch; ++b)
+    TORCH_CHECK(c.lp[b] > 0 && (c.lp[b] + c.block_size - 1) / c.block_size <= c.width,
+                "a context length exceeds its block table");
   // Work items: whole rows once there are enough to share among the threads, else (row, KV head)
   // pairs; the numbers are the same either way. Threads claim items as they come free: a prompt's
   // later rows cost more than its first, and a thread the OS preempts holds up one item, not a share.
+  c.heads_per_item = c.batch >= threads ? c.kv_heads : 1;
+  c.items_per_row = c.kv_heads / c.heads_per_item, c.items = c.batch * c.items_per_row;
+  c.window = window, c.scale = static_cast<float>(scale), c.softcap = static_cast<float>(softcap);
+  return c;
+}
+
+void run_items(const Call& c, std::atomic<int64_t>& next) {
+  Scratch scratch;
+  const float* qp = c.q.data_ptr<float>();
+  float* op = c.out.data_ptr<float>();
+  for (int64_t item = next.fetch_add(1); item < c.items; item = next.fetch_add(1)) {
+    const int64_t b = item / c.items_per_row, first = (item % c.items_per_row) * c.heads_per_item;
+    const int64_t length = c.lp[b], start = c.window > 0 ? std::max<int64_t>(0, length - c.window) : 0;
+    const int64_t offset = b * c.q_heads * c.dim;
+    const auto run = [&](auto element) {
+      attend<decltype(element)>(qp + offset, op + offset, c.kc, c.vc, c.tp + b * c.width, start, length,
+                                c.block_size, first, first + c.heads_per_item, c.group, c.dim, c.scale, c.softcap,
+                                scratch);
+    };
+    if (c.kc.type == at::kChar)
+      run(int8_t{});
+    else if (c.kc.type == at::kBFloat16)
+      run(c10::BFloat16{});
+    else
+      run(float{});
+  }
+}
+
+}  // namespace gpushare::attention
+
+namespace gpushare {
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t window, double softcap) {
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = batch >= threads ? kv_heads : 1;
-  const int64_t items_per_row = kv_heads / heads_per_item, items = batch * items_per_row;
+  const attention::Call call = attention::prepare(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                                  scale, window, softcap, threads);
+  if (call.items == 0) return call.out;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
-      const int64_t b = item / items_per_row, first = (item % items_per_row) * heads_per_item;
-      const int64_t length = lp[b], start = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      const int64_t offset = b * q_heads * dim;
-      const auto run = [&](auto element) {
-        attend<decltype(element)>(qp + offset, op + offset, kc, vc, tp + b * width, start, length, block_size, first,
-                                  first + heads_per_item, group, dim, static_cast<float>(scale),
-                                  static_cast<float>(softcap), scratch);
-      };
-      if (kc.type == at::kChar)
-        run(int8_t{});
-      else if (kc.type == at::kBFloat16)
-        run(c10::BFloat16{});
-      else
-        run(float{});
-    }
-  });
-  return out;
+  at::parallel_for(0, std::min(threads, call.items), 1, [&](int64_t, int64_t) { attention::run_items(call, next); });
+  return call.out;
 }
 
 }  // namespace gpushare

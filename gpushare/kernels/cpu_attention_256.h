@@ -19,6 +19,12 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// k[0, n) widened to float32 into out, n a multiple of 8: load8's values, stored.
+template <typename T>
+inline void widen(const T* k, int64_t n, float* out) {
+  for (int64_t d = 0; d < n; d += 8) _mm256_storeu_ps(out + d, load8(k + d));
+}
+
 // For 4 keys k[t], n a multiple of 16: dot's 16 lane sums as two registers (lanes 0-7, 8-15), then its
 // width-8 step, lane j + lane j + 8: sums[t] holds key t's 8 partial sums.
 template <typename T>

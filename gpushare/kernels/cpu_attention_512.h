@@ -77,6 +77,12 @@ inline void weighted_sums(const float* const* weights, const T* const* values, i
   for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r);
 }
 
+// k[0, n) widened to float32 into out, n a multiple of 16: load16's values, stored.
+template <typename T>
+inline void widen(const T* k, int64_t n, float* out) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(out + d, load16(k + d));
+}
+
 // dot16 under the name attend calls.
 template <typename T>
 inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {

@@ -6,8 +6,9 @@
 // Why: a decode step at batch 1 is ~150 parallel regions (five a layer), each a few tens of
 // microseconds. Between two regions run from Python, the intra-op thread waits out its short spin
 // (GOMP_SPINCOUNT, kept short so that idle workers leave the cores to the API and other models)
-// and falls asleep, so each region pays a futex wake: ~18 us of a ~45 us matmul. Here the gaps
-// between regions are a few microseconds of C++, inside the spin.
+// and falls asleep, so each region pays a futex wake: ~18 us of a ~45 us matmul. Here, without
+// adapters, the call's threads run every kernel as one team (cpu_team.h) and never fall asleep
+// inside it; with adapters each kernel is its own region, the gaps between them a few microseconds.
 //
 // Per layer i, weights are norms[2i] (input), norms[2i+1] (post-attention) and, for the linears
 // qkv, o, gate_up, down (j = 4i .. 4i+3), codes[j], scales[j], mins[j] (None: int8, else int4)
@@ -17,11 +18,22 @@
 // i are lora_a/lora_b[7i .. 7i+6], q, k and v (gate and up) column ranges of the fused output in order.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "cpu_qmatmul.h"
+#include "cpu_team.h"
+
+#include <exception>
+#include <optional>
+#include <vector>
 
 namespace {
+
+namespace qm = gpushare::qmatmul;
 
 // Each linear's first target and number of targets: qkv (q, k, v), o, gate_up (gate, up), down.
 constexpr size_t kTargetsPerLayer = 7;
@@ -51,22 +63,163 @@ at::Tensor linear(const at::Tensor& x, at::TensorList codes, at::TensorList scal
   return y;
 }
 
-at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms,
-                         at::TensorList codes, at::TensorList scales,
-                         const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef out_features,
-                         at::TensorList k_caches, at::TensorList v_caches,
-                         const c10::List<std::optional<at::Tensor>>& k_scales,
-                         const c10::List<std::optional<at::Tensor>>& v_scales, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& context_lens, int64_t q_heads, int64_t kv_heads, double eps,
-                         double attn_scale, at::IntArrayRef windows, double softcap, at::TensorList lora_a,
-                         at::TensorList lora_b, const c10::optional<at::Tensor>& lora_slots,
-                         const c10::optional<at::Tensor>& lora_scales) {
+// A decode_layers call's arguments, as the op's schema orders them.
+struct DecodeArgs {
+  const at::Tensor& x;
+  at::TensorList norms, codes, scales;
+  const c10::List<std::optional<at::Tensor>>& mins;
+  at::IntArrayRef out_features;
+  at::TensorList k_caches, v_caches;
+  const c10::List<std::optional<at::Tensor>>&k_scales, &v_scales;
+  const at::Tensor &cos, &sin, &slot_mapping, &block_tables, &context_lens;
+  int64_t q_heads, kv_heads;
+  double eps, attn_scale;
+  at::IntArrayRef windows;
+  double softcap;
+  at::TensorList lora_a, lora_b;
+  const c10::optional<at::Tensor>&lora_slots, &lora_scales;
+};
+
+// One layer's kernels, prepared (checked, their outputs allocated) before the team starts: nothing in
+// the parallel region may throw, or a thread would leave the others waiting at a barrier.
+struct TeamLayer {
+  qm::Weights qkv, o, gate_up, down;
+  gpushare::ops::Rope rope;
+  gpushare::attention::Call attention;
+  const float *input_norm, *post_norm;
+};
+
+// decode_layers without adapters, by a team (cpu_team.h): per layer ten phases, each row's or each
+// channel group's work claimed by whichever thread comes first, a barrier after each. The kernels'
+// row functions are the ones their own calls run, so the numbers are theirs.
+at::Tensor layers_by_team(const DecodeArgs& args) {
+  const auto& [x_in, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
+               slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows, softcap,
+               lora_a, lora_b, lora_slots, lora_scales] = args;
   const size_t layers = k_caches.size();
-  TORCH_CHECK(v_caches.size() == layers && k_scales.size() == layers && v_scales.size() == layers &&
-                  windows.size() == layers && norms.size() == 2 * layers && codes.size() == 4 * layers &&
-                  scales.size() == 4 * layers && mins.size() == 4 * layers && out_features.size() == 4 * layers,
-              "decode_layers needs 2 norms, 4 linears, a K and a V cache and a window per layer");
+  const at::Tensor x0 = x_in.contiguous();
+  const int64_t rows = x0.size(0), hidden = x0.size(1), dim = k_caches[0].size(3);
+  const int64_t qkv_width = out_features[0], inter = out_features[2] / 2, threads = at::get_num_threads();
+  TORCH_CHECK(x0.scalar_type() == at::kFloat && out_features[2] % 2 == 0, "decode_layers takes float32 rows");
+  const auto options = x0.options();
+  at::Tensor normed = at::empty({rows, hidden}, options), qkv = at::empty({rows, qkv_width}, options);
+  at::Tensor q = at::empty({rows, q_heads, dim}, options), h = at::empty({rows, hidden}, options);
+  at::Tensor sum = at::empty({rows, hidden}, options), gate_up = at::empty({rows, out_features[2]}, options);
+  at::Tensor act = at::empty({rows, inter}, options), down = at::empty({rows, hidden}, options);
+  at::Tensor x = at::empty({rows, hidden}, options);
+  std::vector<TeamLayer> plan;
+  for (size_t i = 0; i < layers; ++i) {
+    const auto weights = [&](size_t which, int64_t k) {
+      const size_t j = 4 * i + which;
+      const std::optional<at::Tensor> m = mins.get(j);
+      return qm::weights_of(codes[j], scales[j], m, out_features[j], k, m.has_value() ? 4 : 8);
+    };
+    TORCH_CHECK(out_features[4 * i] == qkv_width && out_features[4 * i + 2] == 2 * inter &&
+                    out_features[4 * i + 1] == hidden && out_features[4 * i + 3] == hidden,
+                "decode_layers' layers must share their shapes");
+    TORCH_CHECK(norms[2 * i].is_contiguous() && norms[2 * i + 1].is_contiguous() &&
+                    norms[2 * i].scalar_type() == at::kFloat && norms[2 * i + 1].scalar_type() == at::kFloat,
+                "norm weights must be contiguous float32");
+    plan.push_back(TeamLayer{weights(0, hidden), weights(1, q_heads * dim), weights(2, hidden), weights(3, inter),
+                             gpushare::ops::rope_of(qkv, cos, sin, q_heads, kv_heads, k_caches[i], v_caches[i],
+                                                    k_scales.get(i), v_scales.get(i), slot_mapping),
+                             gpushare::attention::prepare(q, k_caches[i], v_caches[i], k_scales.get(i),
+                                                          v_scales.get(i), block_tables, context_lens, attn_scale,
+                                                          windows[i], softcap, threads),
+                             norms[2 * i].data_ptr<float>(), norms[2 * i + 1].data_ptr<float>()});
+  }
+  qm::Activations hidden_rows = qm::activations_for(rows, hidden), attended_rows = qm::activations_for(rows, q_heads * dim);
+  qm::Activations inter_rows = qm::activations_for(rows, inter);
+  constexpr int kPhases = 10;  // nine a layer's, the last the final residual sum
+  std::vector<std::atomic<int64_t>> next(kPhases * layers);
+  float *normed_p = normed.data_ptr<float>(), *qkv_p = qkv.data_ptr<float>(), *q_p = q.data_ptr<float>();
+  float *h_p = h.data_ptr<float>(), *sum_p = sum.data_ptr<float>(), *gate_up_p = gate_up.data_ptr<float>();
+  float *down_p = down.data_ptr<float>(), *x_p = x.data_ptr<float>();
+  const float* x0_p = x0.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  std::optional<gpushare::team::SpinBarrier> barrier;
+  std::exception_ptr failure;
+  const at::ThreadLocalState caller;  // inference mode and the like, for torch's ops on the team's threads
+#pragma omp parallel num_threads(threads)
+  {
+    const at::ThreadLocalStateGuard as_caller(caller);
+#pragma omp single
+    barrier.emplace(omp_get_num_threads());
+    const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+    std::vector<float> scratch(dim);
+    for (size_t i = 0; i < layers; ++i) {
+      const TeamLayer& layer = plan[i];
+      std::atomic<int64_t>* counter = next.data() + kPhases * i;
+      const float* residual = i == 0 ? x0_p : x_p;
+      // 1: the residual stream (the last layer's sum + down), its norm, quantized for qkv
+      gpushare::team::claim(counter[0], rows, [&](int64_t r) {
+        if (i > 0)
+          for (int64_t d = 0; d < hidden; ++d) x_p[r * hidden + d] = sum_p[r * hidden + d] + down_p[r * hidden + d];
+        gpushare::ops::rms_norm_row(residual + r * hidden, nullptr, layer.input_norm, hidden, epsilon,
+                                    normed_p + r * hidden, nullptr);
+        qm::quantize_row(normed_p + r * hidden, hidden_rows, r);
+      });
+      barrier->wait();
+      gpushare::team::claim(counter[1], layer.qkv.groups(), [&](int64_t g) { qm::run_group(hidden_rows, layer.qkv, g, qkv_p, true); });
+      barrier->wait();
+      gpushare::team::claim(counter[2], rows, [&](int64_t t) {  // RoPE and the cache, q to its own rows
+        gpushare::ops::rope_row(layer.rope, t, scratch.data());
+        std::copy(qkv_p + t * qkv_width, qkv_p + t * qkv_width + q_heads * dim, q_p + t * q_heads * dim);
+      });
+      barrier->wait();
+      gpushare::attention::run_items(layer.attention, counter[3]);
+      barrier->wait();
+      const float* attended = layer.attention.out.data_ptr<float>();
+      gpushare::team::claim(counter[4], rows, [&](int64_t r) {
+        qm::quantize_row(attended + r * q_heads * dim, attended_rows, r);
+      });
+      barrier->wait();
+      gpushare::team::claim(counter[5], layer.o.groups(), [&](int64_t g) { qm::run_group(attended_rows, layer.o, g, h_p, true); });
+      barrier->wait();
+      gpushare::team::claim(counter[6], rows, [&](int64_t r) {
+        gpushare::ops::rms_norm_row(residual + r * hidden, h_p + r * hidden, layer.post_norm, hidden, epsilon,
+                                    normed_p + r * hidden, sum_p + r * hidden);
+        qm::quantize_row(normed_p + r * hidden, hidden_rows, r);
+      });
+      barrier->wait();
+      gpushare::team::claim(counter[7], layer.gate_up.groups(), [&](int64_t g) {
+        qm::run_group(hidden_rows, layer.gate_up, g, gate_up_p, true);
+      });
+      barrier->wait();
+      {  // silu(gate) * up by torch's own kernels (the layer-by-layer path's), a share of whole rows each
+        const int64_t first = rows * me / team, last = rows * (me + 1) / team;
+        if (first < last) {
+          try {
+            const at::Tensor gate = gate_up.narrow(0, first, last - first).narrow(1, 0, inter);
+            const at::Tensor up = gate_up.narrow(0, first, last - first).narrow(1, inter, inter);
+            at::Tensor share = act.narrow(0, first, last - first);
+            at::silu_out(share, gate);
+            share.mul_(up);
+          } catch (...) {
+#pragma omp critical
+            failure = std::current_exception();
+          }
+          const float* act_p = act.data_ptr<float>();
+          for (int64_t r = first; r < last; ++r) qm::quantize_row(act_p + r * inter, inter_rows, r);
+        }
+      }
+      barrier->wait();
+      gpushare::team::claim(counter[8], layer.down.groups(), [&](int64_t g) { qm::run_group(inter_rows, layer.down, g, down_p, true); });
+      barrier->wait();
+    }
+    gpushare::team::claim(next[kPhases * (layers - 1) + 9], rows, [&](int64_t r) {
+      for (int64_t d = 0; d < hidden; ++d) x_p[r * hidden + d] = sum_p[r * hidden + d] + down_p[r * hidden + d];
+    });
+  }
+  if (failure) std::rethrow_exception(failure);
+  return x;
+}
+
+at::Tensor layers_by_kernel(const DecodeArgs& args) {
+  const auto& [x_in, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
+               slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows, softcap,
+               lora_a, lora_b, lora_slots, lora_scales] = args;
+  const size_t layers = k_caches.size();
   TORCH_CHECK(lora_a.empty() ? lora_b.empty() : lora_a.size() == kTargetsPerLayer * layers &&
                   lora_b.size() == lora_a.size() && lora_slots.has_value() && lora_scales.has_value(),
               "decode_layers' LoRA needs an A and a B stack per target (7 a layer), the rows' slots and the scales");
@@ -90,6 +243,30 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList norms,
     x = normed_and_sum[1] + down;
   }
   return x;
+}
+
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList codes, at::TensorList scales,
+                         const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef out_features,
+                         at::TensorList k_caches, at::TensorList v_caches,
+                         const c10::List<std::optional<at::Tensor>>& k_scales,
+                         const c10::List<std::optional<at::Tensor>>& v_scales, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens, int64_t q_heads, int64_t kv_heads, double eps,
+                         double attn_scale, at::IntArrayRef windows, double softcap, at::TensorList lora_a,
+                         at::TensorList lora_b, const c10::optional<at::Tensor>& lora_slots,
+                         const c10::optional<at::Tensor>& lora_scales) {
+  const DecodeArgs args{x, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
+                        slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows,
+                        softcap, lora_a, lora_b, lora_slots, lora_scales};
+  const size_t layers = k_caches.size();
+  TORCH_CHECK(v_caches.size() == layers && k_scales.size() == layers && v_scales.size() == layers &&
+                  windows.size() == layers && norms.size() == 2 * layers && codes.size() == 4 * layers &&
+                  scales.size() == 4 * layers && mins.size() == 4 * layers && out_features.size() == 4 * layers,
+              "decode_layers needs 2 norms, 4 linears, a K and a V cache and a window per layer");
+  // Adapters run kernel by kernel (cpu_lora.cpp's regions); so does a call the team cannot take whole.
+  if (!lora_a.empty() || k_caches.empty() || x.size(0) == 0 || x.dim() != 2)
+    return layers_by_kernel(args);
+  return layers_by_team(args);
 }
 
 }  // namespace

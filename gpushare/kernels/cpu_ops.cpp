@@ -23,6 +23,20 @@ using gpushare::rows::dot;
 
 }  // namespace
 
+namespace gpushare::ops {
+
+void rms_norm_row(const float* row, const float* residual, const float* weight, int64_t hidden, float eps,
+                  float* out, float* sum) {
+  if (residual != nullptr) {
+    for (int64_t d = 0; d < hidden; ++d) sum[d] = row[d] + residual[d];
+    row = sum;
+  }
+  const float inv = 1.f / std::sqrt(dot(row, row, hidden) / static_cast<float>(hidden) + eps);
+  for (int64_t d = 0; d < hidden; ++d) out[d] = row[d] * inv * weight[d];
+}
+
+}  // namespace gpushare::ops
+
 namespace gpushare {
 
 // y = x / sqrt(mean(x^2) + eps) * weight per row of float32 x [T, H]; with `residual`, x + residual
@@ -40,18 +54,9 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x_in, const c10::optional<at:
   float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
   const bool add = residual_in.has_value();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * hidden;
-      float* total = sp + r * hidden;
-      if (add) {
-        const float* other = rp + r * hidden;
-        for (int64_t d = 0; d < hidden; ++d) total[d] = row[d] + other[d];
-        row = total;
-      }
-      const float inv = 1.f / std::sqrt(dot(row, row, hidden) / static_cast<float>(hidden) + static_cast<float>(eps));
-      float* o = op + r * hidden;
-      for (int64_t d = 0; d < hidden; ++d) o[d] = row[d] * inv * wp[d];
-    }
+    for (int64_t r = begin; r < end; ++r)
+      ops::rms_norm_row(xp + r * hidden, add ? rp + r * hidden : nullptr, wp, hidden, static_cast<float>(eps),
+                        op + r * hidden, sp + r * hidden);
   });
   return {out, sum};
 }
@@ -87,6 +92,40 @@ void store_row(const float* row, const Cache& c, int64_t block, int64_t offset, 
 
 }  // namespace
 
+namespace gpushare::ops {
+
+Rope rope_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads, int64_t kv_heads,
+             const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+             const c10::optional<at::Tensor>& v_scale, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv must be contiguous float32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.stride(-1) == 1 &&
+              sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin must be float32 rows");
+  Rope r;
+  r.dim = k_cache.size(3), r.block_size = k_cache.size(1), r.q_heads = q_heads, r.kv_heads = kv_heads;
+  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * r.dim && k_cache.size(2) == kv_heads,
+              "qkv, heads and cache disagree");
+  r.slots = slot_mapping.to(at::kLong).contiguous();
+  r.kc = rows::cache_of(k_cache, k_scale), r.vc = rows::cache_of(v_cache, v_scale);
+  r.base = qkv.data_ptr<float>();
+  r.cos = cos.data_ptr<float>(), r.sin = sin.data_ptr<float>();
+  r.width = qkv.size(1), r.trig_stride = cos.stride(0);
+  return r;
+}
+
+void rope_row(const Rope& r, int64_t t, float* scratch) {
+  float* row = r.base + t * r.width;
+  const float *c = r.cos + t * r.trig_stride, *s = r.sin + t * r.trig_stride;
+  for (int64_t h = 0; h < r.q_heads + r.kv_heads; ++h) rotate_half(row + h * r.dim, c, s, r.dim, scratch);
+  const int64_t slot = r.slots.data_ptr<int64_t>()[t];
+  const int64_t block = slot / r.block_size, offset = slot % r.block_size;
+  for (int64_t h = 0; h < r.kv_heads; ++h) {
+    store_row(row + (r.q_heads + h) * r.dim, r.kc, block, offset, h, r.dim);
+    store_row(row + (r.q_heads + r.kv_heads + h) * r.dim, r.vc, block, offset, h, r.dim);
+  }
+}
+
+}  // namespace gpushare::ops
+
 namespace gpushare {
 
 // qkv [T, (Hq + 2 Hkv) * D] float32, the fused projection's output: RoPE on its q and k heads in
@@ -94,30 +133,12 @@ namespace gpushare {
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,
                     int64_t kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                    const at::Tensor& slot_mapping_in) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "qkv must be contiguous float32");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.stride(-1) == 1 &&
-              sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0), "cos and sin must be float32 rows");
-  const int64_t dim = k_cache.size(3), tokens = qkv.size(0), block_size = k_cache.size(1);
-  TORCH_CHECK(qkv.size(1) == (q_heads + 2 * kv_heads) * dim && k_cache.size(2) == kv_heads, "qkv, heads and cache disagree");
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  const Cache kc = gpushare::rows::cache_of(k_cache, k_scale), vc = gpushare::rows::cache_of(v_cache, v_scale);
-  float* base = qkv.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t width = qkv.size(1), trig_stride = cos.stride(0);
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(dim);
-    for (int64_t t = begin; t < end; ++t) {
-      float* row = base + t * width;
-      const float *c = cp + t * trig_stride, *s = sp + t * trig_stride;
-      for (int64_t h = 0; h < q_heads + kv_heads; ++h) rotate_half(row + h * dim, c, s, dim, scratch.data());
-      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        store_row(row + (q_heads + h) * dim, kc, block, offset, h, dim);
-        store_row(row + (q_heads + kv_heads + h) * dim, vc, block, offset, h, dim);
-      }
-    }
+                    const at::Tensor& slot_mapping) {
+  const ops::Rope rope = ops::rope_of(qkv, cos, sin, q_heads, kv_heads, k_cache, v_cache, k_scale, v_scale,
+                                      slot_mapping);
+  at::parallel_for(0, qkv.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(rope.dim);
+    for (int64_t t = begin; t < end; ++t) ops::rope_row(rope, t, scratch.data());
   });
 }
 

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "cpu_qmatmul.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,66 +46,21 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // K elements per activation scale and per int4 weight group
-constexpr int64_t kLanes = 16;  // output channels per tile
-constexpr int kMaxRows = 4;     // rows per register tile
-constexpr int kMaxTiles = 2;    // tiles per register tile
+using gpushare::qmatmul::Activations;
+using gpushare::qmatmul::kBlock;
+using gpushare::qmatmul::kLanes;
+using gpushare::qmatmul::kMaxRows;
+using gpushare::qmatmul::kMaxTiles;
+using gpushare::qmatmul::Weights;
 
-struct Activations {
-  int64_t rows, k, blocks;
-  std::vector<int8_t> q;          // [rows, k]
-  std::vector<float> scale;       // [rows, blocks]
-  std::vector<int32_t> sum;       // [rows, blocks]: a block's codes summed
-  std::vector<float> scaled_sum;  // scale * sum: what a block's int4 mins multiply
-
-  const int8_t* codes(int64_t row, int64_t block) const { return q.data() + row * k + block * kBlock; }
-  int64_t at(int64_t row, int64_t block) const { return row * blocks + block; }
-};
-
-Activations quantize_rows(const float* x, int64_t rows, int64_t k) {
-  Activations a{rows, k, k / kBlock, std::vector<int8_t>(rows * k), std::vector<float>(rows * (k / kBlock)),
-                std::vector<int32_t>(rows * (k / kBlock)), std::vector<float>(rows * (k / kBlock))};
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        const float* src = x + r * k + b * kBlock;
-        int8_t* dst = a.q.data() + r * k + b * kBlock;
-        float top = 0;
-        for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(src[i]));
-        const bool finite = std::isfinite(top);
-        const float scale = finite ? top / 127.f : NAN;  // not finite: the rows' outputs are NaN, as a float matmul's
-        const float inverse = finite && top > 0 ? 127.f / top : 0.f;
-        int32_t total = 0;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          dst[i] = static_cast<int8_t>(std::nearbyint(finite ? src[i] * inverse : 0.f));
-          total += dst[i];
-        }
-        a.scale[a.at(r, b)] = scale;
-        a.sum[a.at(r, b)] = total;
-        a.scaled_sum[a.at(r, b)] = scale * static_cast<float>(total);
-      }
-  });
-  return a;
+// a block's 16 scales or mins of tile t as float32 (a float16's conversion is exact)
+void group_of(const Weights& w, const void* base, int64_t t, int64_t b, float* out) {
+  const int64_t at = (t * w.blocks + b) * kLanes;
+  if (w.half_groups)
+    for (int64_t c = 0; c < kLanes; ++c) out[c] = static_cast<const c10::Half*>(base)[at + c];
+  else
+    std::memcpy(out, static_cast<const float*>(base) + at, kLanes * sizeof(float));
 }
-
-struct Weights {
-  const uint8_t* codes;
-  const float* scales;       // int8: [N]
-  const void* group_scales;  // int4: [N/16][K/32][16], float16 or float32
-  const void* group_mins;
-  int64_t tile_bytes;  // one tile's codes
-  int64_t blocks;
-  bool int4, half_groups;
-  const uint8_t* tile(int64_t t) const { return codes + t * tile_bytes; }
-  // a block's 16 scales or mins as float32 (a float16's conversion is exact)
-  void group(const void* base, int64_t t, int64_t b, float* out) const {
-    const int64_t at = (t * blocks + b) * kLanes;
-    if (half_groups)
-      for (int64_t c = 0; c < kLanes; ++c) out[c] = static_cast<const c10::Half*>(base)[at + c];
-    else
-      std::memcpy(out, static_cast<const float*>(base) + at, kLanes * sizeof(float));
-  }
-};
 
 // ---- the portable kernel: one row and one tile at a time, the same float operations in the same order ----
 
@@ -125,8 +81,8 @@ void tile_portable(const Activations& a, int64_t row, const Weights& w, int64_t 
       }
       const float xs = a.scale[a.at(row, b)], xss = a.scaled_sum[a.at(row, b)];
       float d[kLanes], m[kLanes];
-      w.group(w.group_scales, t, b, d);
-      w.group(w.group_mins, t, b, m);
+      group_of(w, w.group_scales, t, b, d);
+      group_of(w, w.group_mins, t, b, m);
       for (int64_t c = 0; c < kLanes; ++c) {
         acc[c] = acc[c] + static_cast<float>(dot[c]) * (d[c] * xs);
         acc[c] = acc[c] + m[c] * xss;
@@ -265,63 +221,101 @@ std::string kernel_name() {
 
 }  // namespace
 
+namespace gpushare::qmatmul {
+
+Activations activations_for(int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  return Activations{rows, k, blocks, std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
+                     std::vector<int32_t>(rows * blocks), std::vector<float>(rows * blocks)};
+}
+
+void quantize_row(const float* x_row, Activations& a, int64_t r) {
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const float* src = x_row + b * kBlock;
+    int8_t* dst = a.q.data() + r * a.k + b * kBlock;
+    float top = 0;
+    for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::fabs(src[i]));
+    const bool finite = std::isfinite(top);
+    const float scale = finite ? top / 127.f : NAN;  // not finite: the rows' outputs are NaN, as a float matmul's
+    const float inverse = finite && top > 0 ? 127.f / top : 0.f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      dst[i] = static_cast<int8_t>(std::nearbyint(finite ? src[i] * inverse : 0.f));
+      total += dst[i];
+    }
+    a.scale[a.at(r, b)] = scale;
+    a.sum[a.at(r, b)] = total;
+    a.scaled_sum[a.at(r, b)] = scale * static_cast<float>(total);
+  }
+}
+
+Weights weights_of(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                   int64_t n, int64_t k, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  TORCH_CHECK(scales.is_contiguous(), "scales must be contiguous");
+  TORCH_CHECK(k % kBlock == 0 && n % kLanes == 0, "K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(codes.numel() == n * k * bits / 8, "codes do not hold N x K weights of that width");
+  const int64_t blocks = k / kBlock;
+  const bool half_groups = scales.scalar_type() == at::kHalf;
+  Weights w{codes.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, k * kLanes * bits / 8, blocks, bits == 4,
+            half_groups, n};
+  if (bits == 4) {
+    TORCH_CHECK((half_groups || scales.scalar_type() == at::kFloat) && mins.has_value() && mins->is_contiguous() &&
+                    mins->scalar_type() == scales.scalar_type() && scales.numel() == n * blocks &&
+                    mins->numel() == n * blocks,
+                "int4 needs scales and mins of one dtype (float16 or float32), one per channel per block");
+    w.group_scales = scales.data_ptr();
+    w.group_mins = mins->data_ptr();
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n, "int8 needs a float32 scale per channel");
+    w.scales = scales.data_ptr<float>();
+  }
+  return w;
+}
+
+void run_group(const Activations& a, const Weights& w, int64_t g, float* out, [[maybe_unused]] bool simd) {
+  const int64_t tiles = w.n / kLanes, t0 = g * kMaxTiles, count = std::min<int64_t>(kMaxTiles, tiles - t0);
+  for (int64_t row = 0; row < a.rows; row += kMaxRows) {
+    const int64_t height = std::min<int64_t>(kMaxRows, a.rows - row);
+#if defined(GPUSHARE_VNNI512)
+    if (simd) {
+      block_vnni(a, row, height, w, t0, count, out, w.n);
+      continue;
+    }
+#elif defined(GPUSHARE_SIMD256)
+    if (simd) {
+      block_256(a, row, height, w, t0, count, out, w.n);
+      continue;
+    }
+#endif
+    for (int64_t r = row; r < row + height; ++r)
+      for (int64_t t = t0; t < t0 + count; ++t) tile_portable(a, r, w, t, out + r * w.n + t * kLanes);
+  }
+}
+
+}  // namespace gpushare::qmatmul
+
 namespace gpushare {
 
 // x [M, K] float32; codes as packed above; bits 8 or 4; portable: the portable kernel even where a SIMD one is.
 at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                             const c10::optional<at::Tensor>& mins, int64_t n, int64_t bits, bool portable) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be float32 [rows, K]");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
-  TORCH_CHECK(scales.is_contiguous(), "scales must be contiguous");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0 && n % kLanes == 0, "K must be a multiple of 32 and N of 16");
-  TORCH_CHECK(codes.numel() == n * k * bits / 8, "codes do not hold N x K weights of that width");
-  const int64_t blocks = k / kBlock, tiles = n / kLanes;
-  const bool half_groups = scales.scalar_type() == at::kHalf;
-  if (bits == 4) {
-    TORCH_CHECK((half_groups || scales.scalar_type() == at::kFloat) && mins.has_value() && mins->is_contiguous() &&
-                    mins->scalar_type() == scales.scalar_type() && scales.numel() == n * blocks &&
-                    mins->numel() == n * blocks,
-                "int4 needs scales and mins of one dtype (float16 or float32), one per channel per block");
-  } else {
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == n, "int8 needs a float32 scale per channel");
-  }
+  const Weights w = qmatmul::weights_of(codes, scales, mins, n, k, bits);
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  const Activations a = quantize_rows(x.data_ptr<float>(), rows, k);
-  Weights w{codes.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, k * kLanes * bits / 8, blocks, bits == 4, half_groups};
-  if (bits == 4) {
-    w.group_scales = scales.data_ptr();
-    w.group_mins = mins->data_ptr();
-  } else {
-    w.scales = scales.data_ptr<float>();
-  }
+  Activations a = qmatmul::activations_for(rows, k);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) qmatmul::quantize_row(xp + r * k, a, r);
+  });
   float* op = out.data_ptr<float>();
-  [[maybe_unused]] const bool simd = !portable;  // a SIMD kernel, where the build has one
-  const int64_t groups = (tiles + kMaxTiles - 1) / kMaxTiles;
   // Threads split the output channels: each reads its share of the weights once, every row against it.
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = g * kMaxTiles, count = std::min<int64_t>(kMaxTiles, tiles - t0);
-      for (int64_t row = 0; row < rows; row += kMaxRows) {
-        const int64_t height = std::min<int64_t>(kMaxRows, rows - row);
-#if defined(GPUSHARE_VNNI512)
-        if (simd) {
-          block_vnni(a, row, height, w, t0, count, op, n);
-          continue;
-        }
-#elif defined(GPUSHARE_SIMD256)
-        if (simd) {
-          block_256(a, row, height, w, t0, count, op, n);
-          continue;
-        }
-#endif
-        for (int64_t r = row; r < row + height; ++r)
-          for (int64_t t = t0; t < t0 + count; ++t) tile_portable(a, r, w, t, op + r * n + t * kLanes);
-      }
-    }
+  at::parallel_for(0, w.groups(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) qmatmul::run_group(a, w, g, op, !portable);
   });
   return out;
 }

@@ -4,7 +4,7 @@
 Why: on the CPU a decode step at batch 1 is ~150 short parallel regions. Run from Python, each
 pays for the intra-op thread falling asleep in the gap before it (the workers' short OpenMP spin,
 kept short so that an idle engine leaves the cores to the API and other models); in one C++ call
-the gaps are a few microseconds and the thread stays awake. Prompt chunks ride along: the C++
+the threads run every kernel as one team and stay awake (kernels/cpu_team.h). Prompt chunks ride along: the C++
 attention takes every row as the decode row it would be (``AttentionBatch.rows``), so a step that
 admits a new prompt among running streams is one call too.
 
@@ -21,14 +21,16 @@ import torch
 
 from gpushare import kernels
 
-# A step may pause between two calls for an urgent prompt (Engine.take_new_work): at batch 1 five of
-# SmolLM2's layers take ~1 ms, and six calls a step cost ~0.1 ms of wakes. Wider steps take fewer
-# layers a call, one from 32 rows on (a prompt chunk among streams), so that a pause waits about a
-# millisecond or one layer. With 1,024 rows x layers a call an urgent prompt under the 429 storm
-# waited for five layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one
-# layer a call; docs/benchmarks.md); at 64 streams one layer a call measured no slower.
-LAYERS_PER_CALL = 5
-ROW_LAYERS_PER_CALL = 32  # rows x layers
+# A step may pause between two calls for an urgent prompt (Engine.take_new_work), and between two
+# calls the team's threads (kernels/cpu_team.h) may fall asleep, each wake a slow one in a VM. At batch
+# 1 a whole step of SmolLM2's 30 layers is one call of ~4 ms (five layers a call took 4.7 ms a step,
+# against 3.8 ms whole, with the workers' short OpenMP spin). Wider steps take fewer layers a call,
+# one from 192 rows on (a prompt chunk among streams), so that a pause waits a few milliseconds or
+# one layer: with 1,024 rows x layers a call an urgent prompt under the 429 storm waited for five
+# layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one layer a call;
+# docs/benchmarks.md).
+LAYERS_PER_CALL = 32
+ROW_LAYERS_PER_CALL = 192  # rows x layers
 
 
 @dataclass
