@@ -152,16 +152,21 @@ def decode_layers_cases(gen: torch.Generator):
         trig = torch.randn(3, 2, 1, dim, generator=gen)
         x = torch.randn(3, hidden, generator=gen)
         for softcap in (0.0, 5.0):
-            def run(lora, caches=caches, trig=trig, x=x, slots=slots, tables=tables, softcap=softcap):
+            def run(lora, pause=None, caches=caches, trig=trig, x=x, slots=slots, tables=tables, softcap=softcap):
                 fresh = [tuple(None if c is None else c.clone() for c in pair) for k, v, _ in caches for pair in (k, v)]
                 k_caches, v_caches = [fresh[0][0], fresh[2][0]], [fresh[1][0], fresh[3][0]]
                 k_scales, v_scales = [fresh[0][1], fresh[2][1]], [fresh[1][1], fresh[3][1]]
-                return torch.ops.gpushare.decode_layers(
+                got = torch.ops.gpushare.decode_layers(
                     x, norms, [w[0] for w in linears], [w[1] for w in linears], [w[2] for w in linears],
                     [w[3] for w in linears], k_caches, v_caches, k_scales, v_scales, trig[:, 0], trig[:, 1], slots,
-                    tables, lens, q_heads, kv_heads, 1e-5, 0.125, [0, 21], softcap, *lora)
+                    tables, lens, q_heads, kv_heads, 1e-5, 0.125, [0, 21], softcap, *lora, pause)
+                expected_layers = 2 if pause is None else 1  # a set flag stops the call after its first layer
+                assert got[1] == expected_layers, got[1]
+                return got[0]
             for lora_name, lora in [("", ([], [], None, None)), (" lora", adapters)]:
                 yield f"decode_layers {kind} softcap{softcap}{lora_name}", functools.partial(run, lora)
+                yield (f"decode_layers {kind} softcap{softcap}{lora_name} paused",
+                       functools.partial(run, lora, torch.ones(1, dtype=torch.uint8)))
 
 
 def main(path: str) -> int:

@@ -11,6 +11,7 @@ from gpushare.models import fused_decode
 from gpushare.models.llama import AttentionBatch
 from gpushare.models.loader import load_model
 from gpushare.models.lora import LoraAdapter, target_shape
+from gpushare.models.pause_signal import PauseSignal
 from kernel_choice import use_cpu_kernel
 from model_files import random_llama_folder
 
@@ -196,12 +197,35 @@ def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, t
 
 
 @pytest.mark.usefixtures("blocks")
+def test_the_engines_pause_signal_stops_a_whole_step_call_after_a_layer(smollm2_path):
+    """Given a PauseSignal the step is one call, which stops after the layer during which the signal
+    was set; resumed, it ends with the uninterrupted step's bits."""
+    model = load_model(smollm2_path, weights="int4").model
+    ids, positions, caches, batch = decode_inputs(model, [3, 40, 90], torch.bfloat16, seed=2)
+    expected = step(model, False, ids, positions, copied(caches), batch)
+    signal = PauseSignal()
+    model.fused_decode = True
+    state = model.start(ids, positions, batch)
+    assert model.run_layers(state, caches, signal)  # not set: the whole step, no pause
+    assert torch.equal(model.finish(state), expected)
+
+    caches = copied(caches)
+    state = model.start(ids, positions, batch)
+    signal.set()
+    assert not model.run_layers(state, caches, signal)
+    assert state.next_layer == 1  # set before the call: it stops after the first layer
+    signal.clear()
+    assert model.run_layers(state, caches, signal)
+    assert torch.equal(model.finish(state), expected)
+
+
+@pytest.mark.usefixtures("blocks")
 def test_served_answers_are_the_same_with_and_without_it(smollm2_path, monkeypatch):
     """Through the engine: the same greedy tokens and log-probabilities, bit for bit, with the fused
     call taking the decode steps."""
     calls = []
     real = fused_decode.kernels.decode_layers
-    monkeypatch.setattr(fused_decode.kernels, "decode_layers", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fused_decode.kernels, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     llm = LLM(smollm2_path, weights="int4", num_threads=2, enable_prefix_caching=False)
     prompts = [[{"role": "user", "content": f"Write a short poem about the number {i}."}] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)

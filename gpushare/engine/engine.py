@@ -27,7 +27,7 @@ import torch
 
 from gpushare.protocol.engine_config import EngineConfig
 from gpushare.engine import adapters
-from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Wake, handle_item, refuse
+from gpushare.engine.inbox import AddSequence, Call, Cancel, EmbedInputs, Inbox, Wake, handle_item, refuse
 from gpushare.engine.embed_batch import ResidentEncoder, PendingEmbed
 from gpushare.engine.embed_queue import EmbedQueue
 from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
@@ -76,7 +76,8 @@ class Engine:
         # Called on the engine thread with each new snapshot (a worker process forwards them).
         self.on_snapshot: Callable[[EngineSnapshot], None] | None = None
         self.snapshot = EngineSnapshot(engine_stats(self), {}, self.last_tick_s, None)
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox = Inbox()
+        self.new_work = self._inbox.new_work  # a step's should_pause (models/pause_signal.py)
         self._deferred: list = []  # inbox items taken during a paused step, handled after it
         self._thread: threading.Thread | None = None
         self._pinned = threading.Event()
@@ -334,6 +335,7 @@ class Engine:
         self.flush()
 
     def _drain_inbox(self, block: bool) -> None:
+        self.new_work.clear()
         deferred, self._deferred = self._deferred, []
         for item in deferred:
             self._handle(item)
@@ -363,14 +365,11 @@ class Engine:
         busy = [w for w in self.models.values() if w.scheduler.has_work()]
         return min(busy, key=lambda w: w.virtual_steps, default=None)
 
-    def has_new_work(self) -> bool:
-        """On the engine thread, mid-step: whether other threads handed it something since."""
-        return not self._inbox.empty()
-
     def take_new_work(self) -> None:
         """Between two layers of a step: take new requests in and run urgent prompts now. Everything
         else (cancels, calls) waits for the step's end, since it could free blocks the paused step
         still writes to."""
+        self.new_work.clear()
         while True:
             try:
                 item = self._inbox.get_nowait()

@@ -6,6 +6,7 @@ futures, functions; so they are not wire messages, and are named apart from the 
 and ``Embed``, which a worker turns into them (engine/worker.py).
 """
 
+import queue
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -14,11 +15,24 @@ from gpushare.engine.embed_batch import PendingEmbed
 from gpushare.engine.embed_queue import settle
 from gpushare.engine.sequence import Sequence
 from gpushare.engine.step_outputs import StepOutputs
+from gpushare.models.pause_signal import PauseSignal
 from gpushare.protocol.messages import Cancel
 from gpushare.protocol.outputs import RequestOutput
 from gpushare.protocol.request import EngineFailed
 
-__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Wake", "handle_item", "refuse"]
+__all__ = ["AddSequence", "Call", "Cancel", "EmbedInputs", "Inbox", "Wake", "handle_item", "refuse"]
+
+
+class Inbox(queue.Queue):
+    """The queue itself: every put also sets ``new_work``, which a running step reads between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.new_work = PauseSignal()
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        self.new_work.set()  # after the item is in: the engine clears before it looks
 
 
 @dataclass

@@ -31,7 +31,7 @@ def run_step(engine, resident: ResidentModel, batch) -> None:
     start_s = time.perf_counter()
     try:
         step = runner.begin(batch)
-        while not runner.advance(step, engine.has_new_work):
+        while not runner.advance(step, engine.new_work):
             engine.take_new_work()
         sampled = runner.complete(step)
         resident.last_step_s = time.perf_counter() - start_s

@@ -27,7 +27,9 @@
 #include "cpu_qmatmul.h"
 #include "cpu_team.h"
 
+#include <atomic>
 #include <exception>
+#include <tuple>
 #include <optional>
 #include <vector>
 
@@ -77,8 +79,15 @@ struct DecodeArgs {
   at::IntArrayRef windows;
   double softcap;
   at::TensorList lora_a, lora_b;
-  const c10::optional<at::Tensor>&lora_slots, &lora_scales;
+  const c10::optional<at::Tensor>&lora_slots, &lora_scales, &pause;
 };
+
+// Whether the call stops after layer i of `layers`: the pause flag set (models/pause_signal.py),
+// read as another thread writes it, and a layer left to run.
+bool pause_after(const DecodeArgs& args, size_t i, size_t layers) {
+  if (!args.pause.has_value() || i + 1 >= layers) return false;
+  return std::atomic_ref<uint8_t>(*args.pause->data_ptr<uint8_t>()).load(std::memory_order_relaxed) != 0;
+}
 
 // One layer's kernels, prepared (checked, their outputs allocated) before the team starts: nothing in
 // the parallel region may throw, or a thread would leave the others waiting at a barrier.
@@ -92,10 +101,10 @@ struct TeamLayer {
 // decode_layers without adapters, by a team (cpu_team.h): per layer ten phases, each row's or each
 // channel group's work claimed by whichever thread comes first, a barrier after each. The kernels'
 // row functions are the ones their own calls run, so the numbers are theirs.
-at::Tensor layers_by_team(const DecodeArgs& args) {
+std::tuple<at::Tensor, int64_t> layers_by_team(const DecodeArgs& args) {
   const auto& [x_in, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
                slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows, softcap,
-               lora_a, lora_b, lora_slots, lora_scales] = args;
+               lora_a, lora_b, lora_slots, lora_scales, pause] = args;
   const size_t layers = k_caches.size();
   const at::Tensor x0 = x_in.contiguous();
   const int64_t rows = x0.size(0), hidden = x0.size(1), dim = k_caches[0].size(3);
@@ -137,6 +146,12 @@ at::Tensor layers_by_team(const DecodeArgs& args) {
   float *down_p = down.data_ptr<float>(), *x_p = x.data_ptr<float>();
   const float* x0_p = x0.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
+  std::vector<char> stop(layers, 0);  // after layer i: the pause flag as thread 0 read it
+  const auto ran = [layers](const std::vector<char>& after) {
+    for (size_t i = 0; i < layers; ++i)
+      if (after[i]) return i + 1;
+    return layers;
+  };
   std::optional<gpushare::team::SpinBarrier> barrier;
   std::exception_ptr failure;
   const at::ThreadLocalState caller;  // inference mode and the like, for torch's ops on the team's threads
@@ -205,20 +220,23 @@ at::Tensor layers_by_team(const DecodeArgs& args) {
       }
       barrier->wait();
       gpushare::team::claim(counter[8], layer.down.groups(), [&](int64_t g) { qm::run_group(inter_rows, layer.down, g, down_p, true); });
+      if (me == 0) stop[i] = pause_after(args, i, layers);  // one thread reads the flag; the barrier shows all
       barrier->wait();
+      if (stop[i]) break;
     }
-    gpushare::team::claim(next[kPhases * (layers - 1) + 9], rows, [&](int64_t r) {
+    const size_t last = ran(stop);
+    gpushare::team::claim(next[kPhases * (last - 1) + 9], rows, [&](int64_t r) {
       for (int64_t d = 0; d < hidden; ++d) x_p[r * hidden + d] = sum_p[r * hidden + d] + down_p[r * hidden + d];
     });
   }
   if (failure) std::rethrow_exception(failure);
-  return x;
+  return {x, static_cast<int64_t>(ran(stop))};
 }
 
-at::Tensor layers_by_kernel(const DecodeArgs& args) {
+std::tuple<at::Tensor, int64_t> layers_by_kernel(const DecodeArgs& args) {
   const auto& [x_in, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
                slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows, softcap,
-               lora_a, lora_b, lora_slots, lora_scales] = args;
+               lora_a, lora_b, lora_slots, lora_scales, pause] = args;
   const size_t layers = k_caches.size();
   TORCH_CHECK(lora_a.empty() ? lora_b.empty() : lora_a.size() == kTargetsPerLayer * layers &&
                   lora_b.size() == lora_a.size() && lora_slots.has_value() && lora_scales.has_value(),
@@ -241,11 +259,12 @@ at::Tensor layers_by_kernel(const DecodeArgs& args) {
     const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
     const at::Tensor down = linear(at::silu(halves[0]) * halves[1], codes, scales, mins, out_features, lora, i, 3);
     x = normed_and_sum[1] + down;
+    if (pause_after(args, i, layers)) return {x, static_cast<int64_t>(i + 1)};
   }
-  return x;
+  return {x, static_cast<int64_t>(layers)};
 }
 
-at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList codes, at::TensorList scales,
+std::tuple<at::Tensor, int64_t> decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorList codes, at::TensorList scales,
                          const c10::List<std::optional<at::Tensor>>& mins, at::IntArrayRef out_features,
                          at::TensorList k_caches, at::TensorList v_caches,
                          const c10::List<std::optional<at::Tensor>>& k_scales,
@@ -254,10 +273,12 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList norms, at::TensorLi
                          const at::Tensor& context_lens, int64_t q_heads, int64_t kv_heads, double eps,
                          double attn_scale, at::IntArrayRef windows, double softcap, at::TensorList lora_a,
                          at::TensorList lora_b, const c10::optional<at::Tensor>& lora_slots,
-                         const c10::optional<at::Tensor>& lora_scales) {
+                         const c10::optional<at::Tensor>& lora_scales, const c10::optional<at::Tensor>& pause) {
+  TORCH_CHECK(!pause.has_value() || (pause->scalar_type() == at::kByte && pause->numel() == 1),
+              "decode_layers' pause flag is one uint8");
   const DecodeArgs args{x, norms, codes, scales, mins, out_features, k_caches, v_caches, k_scales, v_scales, cos, sin,
                         slot_mapping, block_tables, context_lens, q_heads, kv_heads, eps, attn_scale, windows,
-                        softcap, lora_a, lora_b, lora_slots, lora_scales};
+                        softcap, lora_a, lora_b, lora_slots, lora_scales, pause};
   const size_t layers = k_caches.size();
   TORCH_CHECK(v_caches.size() == layers && k_scales.size() == layers && v_scales.size() == layers &&
                   windows.size() == layers && norms.size() == 2 * layers && codes.size() == 4 * layers &&
@@ -276,7 +297,7 @@ TORCH_LIBRARY_FRAGMENT(gpushare, m) {
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor?[] k_scales, Tensor?[] v_scales, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int q_heads, int kv_heads, "
         "float eps, float attn_scale, int[] windows, float softcap, Tensor[] lora_a, Tensor[] lora_b, "
-        "Tensor? lora_slots, Tensor? lora_scales) -> Tensor");
+        "Tensor? lora_slots, Tensor? lora_scales, Tensor? pause=None) -> (Tensor, int)");
 }
 
 TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -20,16 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from gpushare import kernels
+from gpushare.models.pause_signal import PauseSignal
 
-# A step may pause between two calls for an urgent prompt (Engine.take_new_work), and between two
-# calls the team's threads (kernels/cpu_team.h) may fall asleep, each wake a slow one in a VM. At batch
-# 1 a whole step of SmolLM2's 30 layers is one call of ~4 ms (five layers a call took 4.7 ms a step,
-# against 3.8 ms whole, with the workers' short OpenMP spin). Wider steps take fewer layers a call,
-# one from 192 rows on (a prompt chunk among streams), so that a pause waits a few milliseconds or
-# one layer: with 1,024 rows x layers a call an urgent prompt under the 429 storm waited for five
-# layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one layer a call;
-# docs/benchmarks.md).
-LAYERS_PER_CALL = 32
+# A step may pause for an urgent prompt (Engine.take_new_work). Given the engine's PauseSignal the
+# whole step is one call, which reads the signal after each layer and stops there when it is set: a
+# pause waits one layer, and no thread falls asleep between calls (each wake a slow one in a VM: a
+# batch-1 step took 4.7 ms at five layers a call, 3.8 ms whole). Asked by a plain callable, the step
+# runs a few layers a call, fewer for a wide step (192 rows x layers), so that a pause waits a few
+# milliseconds or one layer: with 1,024 rows x layers a call an urgent prompt under the 429 storm
+# waited for five layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one
+# layer a call; docs/benchmarks.md).
+LAYERS_PER_CALL = 5
 ROW_LAYERS_PER_CALL = 192  # rows x layers
 
 
@@ -73,9 +74,10 @@ def decode_weights(model) -> DecodeWeights | None:
 
 
 def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=None) -> bool | None:
-    """Run the layers from ``state.next_layer`` on, a few a call: True after the last one, False where
-    ``should_pause()`` said so between two calls (as ``LlamaModel.run_layers``); None, with nothing
-    done, where the kernels cannot (another device or dtype, no C++ build). A step with adapter rows
+    """Run the layers from ``state.next_layer`` on: True after the last one, False where ``should_pause``
+    said so after a layer (as ``LlamaModel.run_layers``); None, with nothing done, where the kernels
+    cannot (another device or dtype, no C++ build). A PauseSignal is read by the call after each layer,
+    any other callable between two calls of a few layers. A step with adapter rows
     (``state.batch.lora_slots``) adds them after each target linear from ``adapters``
     (models/lora_table.AdapterTable)."""
     batch, layers = state.batch, len(weights.windows)
@@ -85,15 +87,17 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
     if batch.lora_slots is not None:
         lora = {"lora_a": adapters.a_stacks, "lora_b": adapters.b_stacks, "lora_slots": batch.lora_slots,
                 "lora_scales": adapters.scale_of_slot}
+    signal = should_pause.flag if isinstance(should_pause, PauseSignal) else None
     tables, lengths = batch.rows()
-    per_call = max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
+    per_call = layers if signal is not None else \
+        max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
     while state.next_layer < layers:
         first, end = state.next_layer, min(layers, state.next_layer + per_call)
-        x = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
-                                  tables, lengths, first, **lora)
-        if x is None:
+        ran = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
+                                    tables, lengths, first, pause=signal, **lora)
+        if ran is None:
             return None
-        state.x, state.next_layer = x, end
-        if should_pause is not None and end < layers and should_pause():
+        state.x, state.next_layer = ran[0], first + ran[1]
+        if should_pause is not None and state.next_layer < layers and (signal is not None or should_pause()):
             return False
     return True
