@@ -198,8 +198,8 @@ def test_sliding_windows_and_a_pause_between_calls_keep_the_bits(smollm2_path, t
 
 @pytest.mark.usefixtures("blocks")
 def test_the_engines_pause_signal_stops_a_whole_step_call_after_a_layer(smollm2_path):
-    """Given a PauseSignal the step is one call, which stops after the layer during which the signal
-    was set; resumed, it ends with the uninterrupted step's bits."""
+    """Given a PauseSignal a call stops after the layer during which the signal was set (and a step
+    of several calls goes on while it is not); resumed, it ends with the uninterrupted step's bits."""
     model = load_model(smollm2_path, weights="int4").model
     ids, positions, caches, batch = decode_inputs(model, [3, 40, 90], torch.bfloat16, seed=2)
     expected = step(model, False, ids, positions, copied(caches), batch)

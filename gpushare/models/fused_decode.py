@@ -22,16 +22,15 @@ import torch
 from gpushare import kernels
 from gpushare.models.pause_signal import PauseSignal
 
-# A step may pause for an urgent prompt (Engine.take_new_work). Given the engine's PauseSignal the
-# whole step is one call, which reads the signal after each layer and stops there when it is set: a
-# pause waits one layer, and no thread falls asleep between calls (each wake a slow one in a VM: a
-# batch-1 step took 4.7 ms at five layers a call, 3.8 ms whole). Asked by a plain callable, the step
-# runs a few layers a call, fewer for a wide step (192 rows x layers), so that a pause waits a few
-# milliseconds or one layer: with 1,024 rows x layers a call an urgent prompt under the 429 storm
-# waited for five layers of a neighbour's prompt chunk (its TTFT p99 91-117 ms against 77-88 at one
-# layer a call; docs/benchmarks.md).
-LAYERS_PER_CALL = 5
-ROW_LAYERS_PER_CALL = 192  # rows x layers
+# A step may pause for an urgent prompt (Engine.take_new_work). Given the engine's PauseSignal a call
+# reads it after each layer and stops there when it is set, so a pause waits one layer; any other
+# callable is asked between two calls. A call runs at most 32 layers and 64 rows x layers: a whole
+# step at batch 1 (~4 ms; five layers a call took 4.7 ms a step against 3.8 whole, each gap between
+# calls a wake of a sleeping thread, slow in a VM), five layers at 12 rows, one from 64 rows on. The
+# gaps between calls are what leave the API process the cores under a 429 storm: with whole steps at
+# 12 rows a victim's TTFT p99 was 137-147 ms, against 106 at five layers a call (docs/benchmarks.md).
+LAYERS_PER_CALL = 32
+ROW_LAYERS_PER_CALL = 64  # rows x layers
 
 
 @dataclass
@@ -77,7 +76,7 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
     """Run the layers from ``state.next_layer`` on: True after the last one, False where ``should_pause``
     said so after a layer (as ``LlamaModel.run_layers``); None, with nothing done, where the kernels
     cannot (another device or dtype, no C++ build). A PauseSignal is read by the call after each layer,
-    any other callable between two calls of a few layers. A step with adapter rows
+    any other callable between two calls. A step with adapter rows
     (``state.batch.lora_slots``) adds them after each target linear from ``adapters``
     (models/lora_table.AdapterTable)."""
     batch, layers = state.batch, len(weights.windows)
@@ -89,8 +88,7 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
                 "lora_scales": adapters.scale_of_slot}
     signal = should_pause.flag if isinstance(should_pause, PauseSignal) else None
     tables, lengths = batch.rows()
-    per_call = layers if signal is not None else \
-        max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
+    per_call = max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
     while state.next_layer < layers:
         first, end = state.next_layer, min(layers, state.next_layer + per_call)
         ran = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
@@ -98,6 +96,6 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
         if ran is None:
             return None
         state.x, state.next_layer = ran[0], first + ran[1]
-        if should_pause is not None and state.next_layer < layers and (signal is not None or should_pause()):
+        if should_pause is not None and state.next_layer < layers and should_pause():
             return False
     return True
