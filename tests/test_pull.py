@@ -6,8 +6,11 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpushare.catalog import blob_download, blob_store
@@ -184,7 +187,7 @@ def test_two_pulls_of_one_name_share_one_download(registry, tmp_path):
 
 
 def test_a_cancelled_pull_stops_writing_at_once_and_the_next_one_resumes(registry, tmp_path):
-    """The ranges run on a loop of their own in a low-priority thread: cancelling the pull (a daemon
+    """The ranges run in a low-priority process of their own: cancelling the pull (a daemon
     stopping) must end them there too, the partial state saved, before the cancel returns."""
     data = blob(12)
     digest = registry.add_model("library", "tiny", "q4", data)["layers"][0]["digest"]
@@ -210,6 +213,42 @@ def test_a_cancelled_pull_stops_writing_at_once_and_the_next_one_resumes(registr
     pull(registry, tmp_path)
     resumed = registry.blob_requests(digest)[-1]
     assert resumed.range == f"bytes={written}-{len(data) - 1}" and resumed.sent == len(data) - written
+    assert blob_store.blob_path(tmp_path, digest).read_bytes() == data
+
+
+PULL_IN_A_PROCESS = """
+import asyncio, sys
+from pathlib import Path
+from gpushare.catalog.names import parse_name
+from gpushare.catalog.pull import Pull, run_pull
+asyncio.run(run_pull(Pull(parse_name(sys.argv[1], insecure=True)), Path(sys.argv[2])))
+"""
+
+
+def test_the_download_runs_at_nice_19_apart_from_the_daemon_and_ends_when_the_daemon_is_killed(registry, tmp_path):
+    """A download in the daemon's own process made its chats' TTFT 1.5x (benchmarks/pull_ttft.py):
+    it runs in a child at the lowest priority, which must not outlive a daemon killed with SIGKILL."""
+    data = blob(13)
+    digest = registry.add_model("library", "tiny", "q4", data)["layers"][0]["digest"]
+    registry.bytes_per_s = 1 << 20  # ~3 s for the blob: the kill lands mid-way
+    daemon = subprocess.Popen([sys.executable, "-c", PULL_IN_A_PROCESS, f"{registry.host}/library/tiny:q4",
+                               str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while sum(r.sent for r in registry.blob_requests(digest)) < 512 << 10:
+            assert time.monotonic() < deadline and daemon.poll() is None
+            time.sleep(0.02)
+        [child] = psutil.Process(daemon.pid).children()
+        assert "gpushare.catalog.pull_child" in child.cmdline() and child.nice() == 19
+    finally:
+        daemon.kill()
+        daemon.wait()
+    child.wait(timeout=10)  # it saw its stdin close and stopped
+    sent_at_end = sum(r.sent for r in registry.blob_requests(digest))
+    time.sleep(1.2)
+    assert sum(r.sent for r in registry.blob_requests(digest)) == sent_at_end < len(data)
+    registry.bytes_per_s = None
+    pull(registry, tmp_path)
     assert blob_store.blob_path(tmp_path, digest).read_bytes() == data
 
 

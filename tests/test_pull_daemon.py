@@ -8,8 +8,11 @@ the blobs no other model uses."""
 
 import hashlib
 import json
+import os
 import re
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import ollama
@@ -60,7 +63,8 @@ def daemon(tmp_path_factory, smollm2_path, registry):
     # daemon started after them would inherit it and never reach the registry on 127.0.0.1
     env = {"HF_ENDPOINT": f"http://{registry.host}", "HF_TOKEN": HF_TOKEN, "HF_HOME": str(tmp / "hf-home"),
            "HF_HUB_OFFLINE": "0"}
-    with serving(tmp, smollm2_path, {"engine": {"weights": "float32"}}, env=env) as daemon:
+    overrides = {"engine": {"weights": "float32"}, "server": {"pull_rate_while_serving": "1MiB"}}
+    with serving(tmp, smollm2_path, overrides, env=env) as daemon:
         yield daemon
 
 
@@ -130,6 +134,38 @@ def test_a_bad_blob_or_too_little_disk_fails_the_pull_keeps_nothing_and_the_daem
     status, body, _ = http("POST", daemon.url + "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
                                                                    "options": {"temperature": 0, "num_predict": 4}})
     assert status == 200 and body["done"]
+
+
+def test_a_pull_while_a_model_generates_keeps_to_the_configured_rate_and_speeds_up_after(daemon, registry):
+    """server.pull_rate_while_serving (1 MiB/s here) caps the download while a loaded model has
+    requests; once they are done the rest comes as fast as the link gives."""
+    blob_bytes = 6 << 20
+    registry.add_model("library", "capped", "v1", os.urandom(blob_bytes))
+    chat = urllib.request.urlopen(urllib.request.Request(daemon.url + "/api/generate", json.dumps(
+        {"model": MODEL, "prompt": "Count to a thousand.", "stream": True,
+         "options": {"temperature": 0, "num_predict": 2000}}).encode(), method="POST"), timeout=300)
+    chat.readline()  # the model is generating
+    pull = urllib.request.urlopen(urllib.request.Request(daemon.url + "/api/pull", json.dumps(
+        {"model": f"{registry.host}/library/capped:v1", "insecure": True}).encode(), method="POST"), timeout=300)
+    first_s = None
+    try:
+        for line in pull:
+            event = json.loads(line)
+            if event.get("total") == blob_bytes and event.get("completed"):
+                first_s = first_s or time.monotonic()
+                if time.monotonic() - first_s >= 2.0:
+                    break
+        assert first_s is not None, "no progress on the blob"
+        completed = event["completed"]
+        assert completed <= (time.monotonic() - first_s + 1.0) * (1 << 20) + (256 << 10), completed
+        chat.close()  # the model goes idle: the cap ends a second later
+        events = [json.loads(line) for line in pull]
+    finally:
+        chat.close()
+        pull.close()
+    assert events[-1] == {"status": "success"}
+    assert time.monotonic() - first_s < 2.0 + (blob_bytes - completed) / (1 << 20), "the cap outlived the chat"
+    assert http("DELETE", daemon.url + "/api/delete", {"model": f"{registry.host}/library/capped:v1"})[0] == 200
 
 
 def test_hf_names_resolve_through_hf_endpoint_with_hf_token(daemon, registry, smollm2_path):

@@ -13,6 +13,13 @@ from gpushare.api.errors import error_middleware
 from gpushare.api.tenants import apply_tenant_settings, tenant_middleware
 from gpushare.catalog.pull import Pulls
 
+def pull_cap_bytes_per_s(ctx: ApiContext) -> int | None:
+    """What a pull's download may take while a loaded model has requests (server.pull_rate_while_serving):
+    on a fast link its copies cost those requests' TTFT (catalog/pull_child.py). None while idle."""
+    busy = any(entry.active for entry in ctx.registry.loaded())
+    return (ctx.settings.server.pull_rate_while_serving_bytes_per_s or None) if busy else None
+
+
 def build_app(ctx: ApiContext) -> web.Application:
     # Outermost first: metrics sees the final status; a foreign page is turned away, and a browser's
     # preflight answered, before anything else; draining answers 503 before a key is asked for.
@@ -24,7 +31,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     app.on_response_prepare.append(add_cors_headers)
     app[CONTEXT] = ctx
     apply_tenant_settings(ctx, ctx.settings)
-    ctx.pulls = Pulls(lambda: ctx.settings.models_dir)
+    ctx.pulls = Pulls(lambda: ctx.settings.models_dir, lambda: pull_cap_bytes_per_s(ctx))
     app.on_cleanup.append(lambda _: ctx.pulls.close())
     ollama.add_routes(app)
     ollama_models.add_routes(app)

@@ -5,11 +5,9 @@ Ollama does: one connection rarely fills a fast link). Each range goes on from i
 written byte: a cut connection is retried with `Range` from there, after a backoff that
 doubles up to MAX_BACKOFF_S, and MAX_RETRIES failures in a row without a byte end the pull.
 How much of each range is written is saved (blob_store.Partial) every SAVE_EVERY_S, so a
-daemon that restarts resumes too. The ranges are fetched on an event loop and connections of
-their own in a lowest-priority thread (low_priority.run_low_loop), so the daemon's loop, which
-answers the API, never handles a blob's bytes; they are written at their offsets with `pwrite`.
-Hashing the whole blob runs in a lowest-priority thread too. A full disk ends the pull, deleting
-the partial.
+daemon that restarts resumes too. `fetch_blob` runs in a lowest-priority process of the pull's
+own (pull_child.py), and writes the bytes at their offsets with `pwrite`. A full disk ends the
+pull, deleting the partial.
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import aiohttp
 
 from gpushare.catalog import blob_store
 from gpushare.catalog.blob_store import Partial, StoreError
-from gpushare.catalog.low_priority import run_low, run_low_loop
-from gpushare.catalog.registry_client import Remote, RegistryError, new_session, open_blob
+from gpushare.catalog.registry_client import Remote, RegistryError, open_blob
 
 PART_MIN_BYTES = 16 << 20
 MAX_PARTS = 8
@@ -53,12 +50,15 @@ def plan_ranges(size: int) -> list[list[int]]:
 
 
 class _Saver:
-    """Saves the partial's state at most every SAVE_EVERY_S (each range calls it as it writes)."""
+    """Reports the blob's progress and saves the partial's state at most every SAVE_EVERY_S (each
+    range calls it as it writes)."""
 
-    def __init__(self, root: Path, digest: str, partial: Partial):
+    def __init__(self, root: Path, digest: str, partial: Partial, report):
         self.root, self.digest, self.partial, self.last = root, digest, partial, time.monotonic()
+        self.report = report  # (completed bytes, final=False) -> None
 
     def tick(self, force: bool = False) -> None:
+        self.report(self.partial.written, final=force)
         if force or time.monotonic() - self.last >= SAVE_EVERY_S:
             try:
                 blob_store.save_partial(self.root, self.digest, self.partial)
@@ -78,8 +78,8 @@ def _write(fd: int, data: bytes, offset: int, root: Path) -> None:
         raise StoreError(f"cannot write into {root}: {e.strerror}") from None
 
 
-async def _fetch_range(remote: Remote, digest: str, fd: int, rng: list[int], progress: LayerProgress,
-                       saver: _Saver, root: Path) -> None:
+async def _fetch_range(remote: Remote, digest: str, fd: int, rng: list[int], saver: _Saver, root: Path,
+                       max_retries: int, pace) -> None:
     failures = 0
     while rng[0] + rng[2] < rng[1]:
         try:
@@ -89,9 +89,9 @@ async def _fetch_range(remote: Remote, digest: str, fd: int, rng: list[int], pro
                     chunk = chunk[:rng[1] - rng[0] - rng[2]]  # never past the range, whatever is sent
                     _write(fd, chunk, rng[0] + rng[2], root)
                     rng[2] += len(chunk)
-                    progress.completed += len(chunk)
                     failures = 0
                     saver.tick()
+                    await pace(len(chunk))
                     if rng[0] + rng[2] >= rng[1]:
                         break
             if rng[0] + rng[2] < rng[1]:
@@ -100,8 +100,8 @@ async def _fetch_range(remote: Remote, digest: str, fd: int, rng: list[int], pro
             if isinstance(e, RegistryError) and e.status == 404:
                 raise
             failures += 1
-            if failures > MAX_RETRIES:
-                raise RegistryError(f"blob {digest}: gave up after {MAX_RETRIES} retries in a row "
+            if failures > max_retries:
+                raise RegistryError(f"blob {digest}: gave up after {max_retries} retries in a row "
                                     f"({type(e).__name__}: {e})") from None
             await asyncio.sleep(min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S))
 
@@ -117,28 +117,17 @@ async def _all_or_none(coroutines) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _fetch_ranges(remote: Remote, digest: str, fd: int, partial: Partial, progress: LayerProgress,
-                        saver: _Saver, root: Path) -> None:
-    """Every unfinished range at once, through a session of this thread's loop (a session belongs to
-    the loop that made it) with the authorization the pull's own session earned."""
-    async with new_session() as session:
-        here = Remote(remote.name, session, dict(remote.headers))
-        await _all_or_none(_fetch_range(here, digest, fd, rng, progress, saver, root) for rng in partial.ranges)
-
-
-async def download(remote: Remote, root: Path, digest: str, progress: LayerProgress) -> None:
-    """Bring the blob's bytes into its partial file (its SHA-256 is checked by commit, after)."""
-    size = progress.total
-    if blob_store.has_blob(root, digest, size):
-        progress.completed = size
-        return
-    partial = blob_store.read_partial(root, digest, size) or Partial(size, plan_ranges(size))
-    progress.completed = partial.written
+async def fetch_blob(remote: Remote, root: Path, digest: str, size: int, ranges: list[list[int]], max_retries: int,
+                     report, pace) -> None:
+    """Bring the blob's bytes into its partial file, going on from what an earlier try saved, else
+    fetching ``ranges``; ``report(completed, final=False)`` as they come, and ``await pace(n)``
+    after each n bytes received (run by pull_child)."""
+    partial = blob_store.read_partial(root, digest, size) or Partial(size, ranges)
     fd = blob_store.open_partial(root, digest, size)
-    saver = _Saver(root, digest, partial)
+    saver = _Saver(root, digest, partial, report)
     try:
         saver.tick(force=True)
-        await run_low_loop(lambda: _fetch_ranges(remote, digest, fd, partial, progress, saver, root))
+        await _all_or_none(_fetch_range(remote, digest, fd, rng, saver, root, max_retries, pace) for rng in partial.ranges)
     except StoreError:  # the disk: nothing of it is worth keeping
         os.close(fd)
         fd = -1
@@ -151,10 +140,3 @@ async def download(remote: Remote, root: Path, digest: str, progress: LayerProgr
                 saver.tick(force=True)
             except StoreError:  # what is written stays; the next try re-fetches what was not recorded
                 pass
-
-
-async def commit(root: Path, digest: str, size: int) -> None:
-    """Check the downloaded partial's SHA-256 and make it the blob (in a lowest-priority thread:
-    hashing takes a while, and the engines come first)."""
-    if not blob_store.has_blob(root, digest, size):
-        await run_low(blob_store.commit_partial, root, digest)

@@ -22,11 +22,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpushare.catalog import blob_store
-from gpushare.catalog.blob_download import LayerProgress, commit, download
+from gpushare.catalog import blob_store, pull_child
+from gpushare.catalog.blob_download import LayerProgress
 from gpushare.catalog.blob_store import StoreError, check_digest
 from gpushare.catalog.hf_pull import pull_folder
 from gpushare.catalog.names import PullName
+from gpushare.catalog.pull_child import download, verify
 from gpushare.catalog.registry_client import Remote, RegistryError, fetch_manifest, new_session
 
 log = logging.getLogger("gpushare.pull")
@@ -111,7 +112,7 @@ def bytes_to_fetch(root: Path, blobs: list[tuple[str, str, int]]) -> int:
     return needed
 
 
-async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes) -> None:
+async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes, cap_of) -> None:
     blobs = check_manifest(body, pull.name)
     if any(media == MEDIA + "template" for media, _, _ in blobs):
         log.info("%s: its Go template layer is kept but not run; the GGUF's own chat template is used",
@@ -122,21 +123,20 @@ async def _pull_manifest(pull: Pull, root: Path, remote: Remote, body: bytes) ->
     pull.step("downloading")
     pull.checked.set()
     try:
-        for layer in pull.layers:
-            await download(remote, root, layer.digest, layer)
+        await download(remote, root, pull.layers, cap_of)
     except StoreError:  # the disk is full: give back what this pull took, none of it is a model yet
         for layer in pull.layers:
             blob_store.discard_partial(root, layer.digest)
         raise
     pull.step("verifying sha256 digest")
-    for layer in pull.layers:
-        await commit(root, layer.digest, layer.total)
+    await verify(root, pull.layers)
     pull.step("writing manifest")
     blob_store.write_manifest(root, pull.name.parts, body)
 
 
-async def run_pull(pull: Pull, root: Path) -> None:
-    """The whole pull; raises PullError (with the HTTP status for the API) on any failure."""
+async def run_pull(pull: Pull, root: Path, cap_of=lambda: None) -> None:
+    """The whole pull; raises PullError (with the HTTP status for the API) on any failure. ``cap_of()``:
+    the bytes per second its download may take now (None: no cap; pull_child.py)."""
     try:
         async with new_session() as session:
             remote = Remote(pull.name, session)
@@ -147,20 +147,23 @@ async def run_pull(pull: Pull, root: Path) -> None:
                     raise
                 await pull_folder(pull, root, e)  # a Hugging Face repo of safetensors, not GGUF
             else:
-                await _pull_manifest(pull, root, remote, body)
+                await _pull_manifest(pull, root, remote, body, cap_of)
         pull.step("success")
         log.info("pulled %s", pull.name.display)
     except RegistryError as e:
         raise PullError(str(e), e.status if 400 <= e.status < 500 else 502) from None
     except StoreError as e:
         raise PullError(str(e), 400 if not pull.checked.is_set() else 500) from None
+    except pull_child.ChildDied as e:
+        raise PullError(str(e), 500) from None
 
 
 class Pulls:
     """The pulls under way, one per name: a second ask for a name joins the first."""
 
-    def __init__(self, root_of):
+    def __init__(self, root_of, cap_of=lambda: None):
         self._root_of = root_of  # () -> models_dir: the config may be reloaded
+        self._cap_of = cap_of  # () -> bytes per second a download may take now, or None
         self.running: dict[tuple, Pull] = {}
 
     def get(self, name: PullName) -> Pull | None:
@@ -170,7 +173,7 @@ class Pulls:
         pull = self.running.get(name.parts)
         if pull is None:
             pull = self.running[name.parts] = Pull(name)
-            pull.task = asyncio.ensure_future(run_pull(pull, Path(self._root_of())))
+            pull.task = asyncio.ensure_future(run_pull(pull, Path(self._root_of()), self._cap_of))
             pull.task.add_done_callback(lambda _: self.running.pop(name.parts, None))
         return pull
 

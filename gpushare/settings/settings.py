@@ -48,6 +48,7 @@ class ServerSettings:
     trust_gateway_headers: bool = False  # x-gateway-inference-fairness-id/-objective pick tenant queue, priority
     open_gateway_metrics: bool = False  # /metrics/gateway (vllm:* gauges only) answers without a key
     context_length: int | None = None  # num_ctx of a model that sets none (OLLAMA_CONTEXT_LENGTH); None: trained
+    pull_rate_while_serving_bytes_per_s: int = 100 << 20  # a pull's download cap while models are busy; 0: none
 
 
 @dataclass
@@ -97,7 +98,8 @@ class Settings:
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
     reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
-                       "write_timeout", "trust_gateway_headers", "open_gateway_metrics", "context_length"}, "server.")
+                       "write_timeout", "trust_gateway_headers", "open_gateway_metrics", "context_length",
+                       "pull_rate_while_serving"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -118,6 +120,9 @@ def _read_server(raw: Any) -> ServerSettings:
             raise ConfigError(f"server.write_timeout: must be more than zero, got {d['write_timeout']!r}")
     if d.get("context_length") is not None:
         s.context_length = positive_int(d["context_length"], "server.context_length")
+    if "pull_rate_while_serving" in d:
+        s.pull_rate_while_serving_bytes_per_s = parse_size_bytes(d["pull_rate_while_serving"],
+                                                                 "server.pull_rate_while_serving")
     if "min_keep_alive" in d:
         s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
         if s.min_keep_alive_s < 0:
