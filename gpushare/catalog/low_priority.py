@@ -2,10 +2,11 @@
 blob), run where the engines do not feel it: threads at the lowest scheduling priority (run_low).
 A registry pull's blobs are fetched and hashed in a process of their own instead (pull_child.py).
 
-Hashing an uploaded blob (SHA-256 of gigabytes) and a Hugging Face download take CPU time; on a node whose engine workers keep every core busy, that work at the
-normal priority takes time slices from the engines' threads, which wait for each other at every
-step, so a pull would slow the models already serving (issue 35). At nice 19 the scheduler gives
-those threads the cores only when the engines leave them. Linux's nice is per thread, so the
+Hashing an uploaded blob (SHA-256 of gigabytes) and a Hugging Face download take CPU time; on a
+node whose engine workers keep every core busy, that work at the normal priority takes time slices
+from the engines' threads, which wait for each other at every step, so a pull would slow the models
+already serving (issue 35). At nice 19 the scheduler gives those threads the cores only when the
+engines leave them. Linux's nice is per thread, so the
 pool's threads lower their own once, at start, and never raise it again (that would need root).
 """
 

@@ -10,7 +10,8 @@ download in a nice-19 process of its own (docs/benchmarks.md).
 `python -m gpushare.catalog.pull_child`, writes it one job (JSON on its stdin) and
 reads its events (a JSON object a line on its stdout) until it exits:
 - `{"digest", "completed"}`: a blob's bytes so far, at most every PROGRESS_EVERY_S and at its end;
-- `{"error", "kind", "status"}`: what ended it, raised again in the daemon as the same error.
+- `{"error", "kind"[, "status"]}`: what ended it, raised again in the daemon as the same error
+  (a RegistryError with its HTTP status, or a StoreError).
 While the daemon's models are busy it sends the child a cap, `{"bytes_per_s"}` on its stdin
 (`server.pull_rate_while_serving`): on a fast link (localhost in the benchmark, GB/s) the download's
 copies still cost the engines TTFT, 1.0-1.4x in a nice-19 process uncapped against 0.95-1.03x
@@ -67,7 +68,8 @@ async def _send_caps(child, cap_of) -> None:
 
 
 async def run(job: dict, on_progress, cap_of=lambda: None) -> None:
-    """Do ``job`` in a child process; ``on_progress(digest, completed)`` for each progress event;
+    """Do ``job`` in a child process; ``on_progress(digest, completed)`` for each progress event (a
+    download's; a verify sends none);
     ``cap_of()``: the bytes per second its downloads may take now (None: as fast as they come).
     Raises the child's RegistryError or StoreError, or ChildDied."""
     child = await asyncio.create_subprocess_exec(sys.executable, "-m", "gpushare.catalog.pull_child",
@@ -81,7 +83,7 @@ async def run(job: dict, on_progress, cap_of=lambda: None) -> None:
             event = json.loads(line)
             if "error" in event:
                 error = event
-            else:
+            elif on_progress is not None:
                 on_progress(event["digest"], event["completed"])
         code = await child.wait()
     except asyncio.CancelledError:
@@ -130,7 +132,7 @@ async def verify(root: Path, layers: list[LayerProgress]) -> None:
     it kept, where it is not), in the pull's own process: hashing gigabytes takes a while."""
     todo = [[layer.digest, layer.total] for layer in layers if not blob_store.has_blob(root, layer.digest, layer.total)]
     if todo:
-        await run({"op": "verify", "root": str(root), "blobs": todo}, _progress_into(layers))
+        await run({"op": "verify", "root": str(root), "blobs": todo}, on_progress=None)
 
 
 def _report(event: dict) -> None:
@@ -206,7 +208,7 @@ def main() -> int:
         _report({"error": str(e), "kind": "registry", "status": e.status})
         return 1
     except StoreError as e:
-        _report({"error": str(e), "kind": "store", "status": 500})
+        _report({"error": str(e), "kind": "store"})
         return 1
     finally:
         loop.close()
