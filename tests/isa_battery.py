@@ -87,9 +87,10 @@ def attention_cases(gen: torch.Generator):
             caches = [Int8KV(c, s) if s is not None else c for c, s in ((k, k_scale), (v, v_scale))]
             q = torch.randn(70, 6, dim, generator=gen)
             cu, lens = torch.tensor([0, 40, 70], dtype=torch.int32), torch.tensor([150, 30], dtype=torch.int32)
-            for window in (0, 21):
-                yield f"prefill {kind} d{dim} window{window}", lambda q=q, c=caches, t=tables, w=window, n=lens: (
-                    kernels.prefill_attention(q, c[0], c[1], t, cu, n, 0.125, w))
+            for window, softcap in [(0, 0.0), (21, 0.0), (0, 5.0)]:
+                yield f"prefill {kind} d{dim} window{window} softcap{softcap}", (
+                    lambda q=q, c=caches, t=tables, w=window, s=softcap, n=lens:
+                    kernels.prefill_attention(q, c[0], c[1], t, cu, n, 0.125, w, s))
 
 
 def norm_and_rope_cases(gen: torch.Generator):

@@ -33,7 +33,7 @@ GROUPS = [pytest.param(g, id=f"gqa{g}") for g in (1, 3, 8)]
 
 class CppAttention:
     """The CPU's C++ attention (kernels/cpu_attention.cpp, float32 queries) with the torch path's
-    signatures, so the shared checks can call it; prefill rows go through it one by one as decode rows."""
+    signatures, so the shared checks can call it; a prompt's rows go through it as the decode rows they would be."""
 
     @staticmethod
     def _loaded():

@@ -235,6 +235,46 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     for (int64_t d = 0; d < dim; ++d) first_out[row * dim + d] /= sums[row];
 }
 
+#if defined(GPUSHARE_ATTENTION_SIMD)
+#include "cpu_attention_prompt.h"
+#endif
+
+// Whether row b + 1 continues row b's prompt: the same sequence (tables that agree on every key row b
+// reads) one or more tokens on.
+bool continues(const gpushare::attention::Call& c, int64_t b) {
+  const int64_t blocks = (c.lp[b] + c.block_size - 1) / c.block_size;
+  return c.lp[b + 1] >= c.lp[b] &&
+         std::memcmp(c.tp + b * c.width, c.tp + (b + 1) * c.width, blocks * sizeof(int32_t)) == 0;
+}
+
+// The call's work items: blocks of a prompt's consecutive rows, a KV head each, first (the longest
+// work, so no thread is left with one at the end); then single rows, whole once there are enough to
+// share among the threads, else a (row, KV head) pair each. The numbers are the same either way.
+std::vector<gpushare::attention::Item> work_items(const gpushare::attention::Call& c, int64_t threads) {
+  std::vector<gpushare::attention::Item> blocks, singles;
+  bool by_block = false;
+#if defined(GPUSHARE_ATTENTION_SIMD)
+  by_block = c.window == 0 && c.dim % kLanes == 0 && values_fit(c.dim);
+#endif
+  const int64_t heads_per_item = c.batch >= threads ? c.kv_heads : 1;
+  for (int64_t b = 0; b < c.batch;) {
+    int64_t end = b + 1;
+#if defined(GPUSHARE_ATTENTION_SIMD)
+    if (by_block) {
+      const int64_t most = block_rows(c.lp[b] + kMaxBlockRows, c.group);
+      while (end < c.batch && end - b < most && continues(c, end - 1)) ++end;
+    }
+#endif
+    if (end - b > 1)
+      for (int64_t head = 0; head < c.kv_heads; ++head) blocks.push_back({b, end - b, head, 1});
+    else
+      for (int64_t head = 0; head < c.kv_heads; head += heads_per_item) singles.push_back({b, 1, head, heads_per_item});
+    b = end;
+  }
+  blocks.insert(blocks.end(), singles.begin(), singles.end());
+  return blocks;
+}
+
 }  // namespace
 
 namespace gpushare::attention {
@@ -260,12 +300,11 @@ Call prepare(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor
   for (int64_t b = 0; b < c.batch; ++b)
     TORCH_CHECK(c.lp[b] > 0 && (c.lp[b] + c.block_size - 1) / c.block_size <= c.width,
                 "a context length exceeds its block table");
-  // Work items: whole rows once there are enough to share among the threads, else (row, KV head)
-  // pairs; the numbers are the same either way. Threads claim items as they come free: a prompt's
-  // later rows cost more than its first, and a thread the OS preempts holds up one item, not a share.
-  c.heads_per_item = c.batch >= threads ? c.kv_heads : 1;
-  c.items_per_row = c.kv_heads / c.heads_per_item, c.items = c.batch * c.items_per_row;
+  // Threads claim items as they come free: a prompt's later rows cost more than its first, and a
+  // thread the OS preempts holds up one item, not a share.
   c.window = window, c.scale = static_cast<float>(scale), c.softcap = static_cast<float>(softcap);
+  c.work = work_items(c, threads);
+  c.items = static_cast<int64_t>(c.work.size());
   return c;
 }
 
@@ -273,14 +312,22 @@ void run_items(const Call& c, std::atomic<int64_t>& next) {
   Scratch scratch;
   const float* qp = c.q.data_ptr<float>();
   float* op = c.out.data_ptr<float>();
-  for (int64_t item = next.fetch_add(1); item < c.items; item = next.fetch_add(1)) {
-    const int64_t b = item / c.items_per_row, first = (item % c.items_per_row) * c.heads_per_item;
-    const int64_t length = c.lp[b], start = c.window > 0 ? std::max<int64_t>(0, length - c.window) : 0;
-    const int64_t offset = b * c.q_heads * c.dim;
+  for (int64_t index = next.fetch_add(1); index < c.items; index = next.fetch_add(1)) {
+    const Item& item = c.work[index];
+    const int64_t b = item.row, length = c.lp[b], offset = b * c.q_heads * c.dim;
+    const int64_t start = c.window > 0 ? std::max<int64_t>(0, length - c.window) : 0;
     const auto run = [&](auto element) {
-      attend<decltype(element)>(qp + offset, op + offset, c.kc, c.vc, c.tp + b * c.width, start, length,
-                                c.block_size, first, first + c.heads_per_item, c.group, c.dim, c.scale, c.softcap,
-                                scratch);
+      using T = decltype(element);
+#if defined(GPUSHARE_ATTENTION_SIMD)
+      if (item.rows > 1) {
+        const int64_t last = b + item.rows - 1;  // the longest row's table holds every key the block reads
+        attend_block<T>(qp + offset, op + offset, c.kc, c.vc, c.tp + last * c.width, c.lp + b, item.rows,
+                        c.block_size, item.first_head, c.q_heads, c.group, c.dim, c.scale, c.softcap, scratch);
+        return;
+      }
+#endif
+      attend<T>(qp + offset, op + offset, c.kc, c.vc, c.tp + b * c.width, start, length, c.block_size,
+                item.first_head, item.first_head + item.heads, c.group, c.dim, c.scale, c.softcap, scratch);
     };
     if (c.kc.type == at::kChar)
       run(int8_t{});

@@ -67,12 +67,13 @@ inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
 
 // out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values[t] there, for G rows
 // of weights at once: add_scaled's float operations, the G x C sums in registers across all of t.
+// `resume`: the sums go on from those already in out (the same bits as one run).
 template <int C, int G, typename T>
 inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                         int64_t c0) {
+                         int64_t c0, bool resume) {
   __m256 acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m256 v[C];
     for (int c = 0; c < C; ++c) v[c] = load8(values[t] + (c0 + c) * 8);
@@ -89,12 +90,12 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
 // registers hold (the 16 of AVX2: G x C sums and C values).
 template <int C, typename T>
 inline void slabs(const float* const* weights, const T* const* values, int64_t n, float* const* out, int64_t rows,
-                  int64_t chunks) {
+                  int64_t chunks, bool resume) {
   constexpr int kAtOnce = C <= 2 ? 4 : C <= 4 ? 2 : 1;
   for (int64_t c0 = 0; c0 < chunks; c0 += C) {
     int64_t r = 0;
-    for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, c0);
-    for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, c0);
+    for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, c0, resume);
+    for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, c0, resume);
   }
 }
 
@@ -103,19 +104,19 @@ inline bool values_fit(int64_t dim) { return dim % 8 == 0; }
 
 template <typename T>
 inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                       int64_t rows, int64_t dim) {
+                       int64_t rows, int64_t dim, bool resume = false) {
   const int64_t chunks = dim / 8;
   int64_t width = std::min<int64_t>(8, chunks);  // the widest slab that divides the columns
   while (chunks % width != 0) --width;
   switch (width) {
-    case 8: slabs<8>(weights, values, n, out, rows, chunks); break;
-    case 7: slabs<7>(weights, values, n, out, rows, chunks); break;
-    case 6: slabs<6>(weights, values, n, out, rows, chunks); break;
-    case 5: slabs<5>(weights, values, n, out, rows, chunks); break;
-    case 4: slabs<4>(weights, values, n, out, rows, chunks); break;
-    case 3: slabs<3>(weights, values, n, out, rows, chunks); break;
-    case 2: slabs<2>(weights, values, n, out, rows, chunks); break;
-    default: slabs<1>(weights, values, n, out, rows, chunks); break;
+    case 8: slabs<8>(weights, values, n, out, rows, chunks, resume); break;
+    case 7: slabs<7>(weights, values, n, out, rows, chunks, resume); break;
+    case 6: slabs<6>(weights, values, n, out, rows, chunks, resume); break;
+    case 5: slabs<5>(weights, values, n, out, rows, chunks, resume); break;
+    case 4: slabs<4>(weights, values, n, out, rows, chunks, resume); break;
+    case 3: slabs<3>(weights, values, n, out, rows, chunks, resume); break;
+    case 2: slabs<2>(weights, values, n, out, rows, chunks, resume); break;
+    default: slabs<1>(weights, values, n, out, rows, chunks, resume); break;
   }
 }
 

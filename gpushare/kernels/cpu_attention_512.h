@@ -49,12 +49,14 @@ inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
 
 // out[g][0, 16 C) = the sum over t, in t's order, of weights[g][t] * values[t], for G rows of weights at
 // once (sharing each value row's loads): add_scaled's float operations (each element's products added
-// one by one from zero), the G x C sums held in registers across all of t.
+// one by one from zero), the G x C sums held in registers across all of t. `resume`: the sums go on
+// from those already in out (a float stored and loaded is the same float: the same bits as one run).
 template <int C, int G, typename T>
-inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out) {
+inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                         bool resume) {
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm512_loadu_ps(out[g] + c * kLanes) : _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values[t] + c * kLanes);
@@ -70,11 +72,11 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
 // weighted_sum for `rows` rows, as many at a time as the registers hold.
 template <int C, typename T>
 inline void weighted_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                          int64_t rows) {
+                          int64_t rows, bool resume) {
   constexpr int kAtOnce = C == 4 ? 3 : C == 8 ? 2 : 1;
   int64_t r = 0;
-  for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r);
-  for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r);
+  for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, resume);
+  for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, resume);
 }
 
 // k[0, n) widened to float32 into out, n a multiple of 16: load16's values, stored.
@@ -97,14 +99,14 @@ inline bool values_fit(int64_t dim) {
 
 template <typename T>
 inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                       int64_t rows, int64_t dim) {
+                       int64_t rows, int64_t dim, bool resume = false) {
   const int64_t chunks = dim / kLanes;
   if (chunks == 4)
-    weighted_sums<4>(weights, values, n, out, rows);
+    weighted_sums<4>(weights, values, n, out, rows, resume);
   else if (chunks == 8)
-    weighted_sums<8>(weights, values, n, out, rows);
+    weighted_sums<8>(weights, values, n, out, rows, resume);
   else
-    weighted_sums<16>(weights, values, n, out, rows);
+    weighted_sums<16>(weights, values, n, out, rows, resume);
 }
 
 // The max of p[0, i) into top for the largest multiple i of 16 <= n (max is exact: any order finds

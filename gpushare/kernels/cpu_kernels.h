@@ -12,12 +12,19 @@ namespace gpushare {
 
 namespace attention {  // decode_attention in the two parts a team of threads shares (cpu_decode.cpp)
 
+// A work item: `rows` rows from `row` (more than one: a block of one prompt's rows, cpu_attention_prompt.h)
+// and KV heads [first_head, first_head + heads).
+struct Item {
+  int64_t row, rows, first_head, heads;
+};
+
 // One call's arguments, checked, and its work items.
 struct Call {
   at::Tensor q, tables, lens, out;
   rows::Cache kc, vc;
   const int32_t *tp, *lp;
-  int64_t batch, q_heads, dim, block_size, kv_heads, width, group, heads_per_item, items_per_row, items, window;
+  int64_t batch, q_heads, dim, block_size, kv_heads, width, group, items, window;
+  std::vector<Item> work;
   float scale, softcap;
 };
 

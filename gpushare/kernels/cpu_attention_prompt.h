@@ -1,0 +1,106 @@
+// cpu_attention.cpp's path for a prompt's rows, included by it inside its anonymous namespace after
+// `attend` where the build has SIMD: a block of consecutive rows of one sequence, one KV head at a time.
+//
+// By row, each of a long prompt's rows streams its whole prefix of K and V (at 8,000 tokens, ~3 MB a
+// KV head in bfloat16) through the cache and widens every key again; the block reads each 16-key tile
+// and each value tile once for all its rows' query heads, from L1. Every number is computed as `attend`
+// computes it for that row: the same dot products per key (dot_keys over full tiles from token 0, `dot`
+// for a row's last keys), the same softmax over the row's own scores, and the same value sums in token
+// order (resumed tile after tile from the floats stored between them), so a row's bits do not depend on
+// which path ran it. Rows with a window (whose tiles start at each row's own first key) go by row.
+#pragma once
+
+constexpr int64_t kValueTile = 64;  // tokens of V a block's rows share while they sit in L1
+constexpr int64_t kBlockScoreFloats = 96 << 10;  // a block's scores, kept within a core's L2
+constexpr int64_t kMaxBlockRows = 32;
+
+// How many rows a block of a prompt whose rows attend up to `length` keys holds.
+inline int64_t block_rows(int64_t length, int64_t group) {
+  return std::clamp<int64_t>(kBlockScoreFloats / (group * length), 2, kMaxBlockRows);
+}
+
+// Rows [first_row, first_row + count) of one sequence (their tables agree on every key each reads,
+// their lengths do not decrease), KV head `head`.
+template <typename T>
+void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, const int32_t* table,
+                  const int32_t* lens, int64_t count, int64_t block_size, int64_t head, int64_t q_heads,
+                  int64_t group, int64_t dim, float scale, float softcap, Scratch& scratch) {
+  const int64_t longest = lens[count - 1], vectors = count * group;  // query heads handled
+  locate(kc, table, 0, longest, block_size, scratch.k_at, scratch.k_scale_at);
+  locate(vc, table, 0, longest, block_size, scratch.v_at, scratch.v_scale_at);
+  const T* const k_data = reinterpret_cast<const T*>(kc.data);
+  const T* const v_data = reinterpret_cast<const T*>(vc.data);
+  const auto k_row = [&](int64_t t) { return k_data + scratch.k_at[t] + head * kc.head_stride; };
+  const auto k_scale = [&](int64_t t) { return kc.scale ? kc.scale[scratch.k_scale_at[t] + head * kc.scale_head] : 1.f; };
+  const auto v_scale = [&](int64_t t) { return vc.scale ? vc.scale[scratch.v_scale_at[t] + head * vc.scale_head] : 1.f; };
+  const auto query = [&](int64_t v) { return q + (v / group) * q_heads * dim + (head * group + v % group) * dim; };
+  const auto output = [&](int64_t v) { return out + (v / group) * q_heads * dim + (head * group + v % group) * dim; };
+  const auto length = [&](int64_t v) { return static_cast<int64_t>(lens[v / group]); };
+  std::vector<float>& scores = scratch.scores;
+  scores.resize(vectors * longest);
+  const auto capped = [&](float dot, float key_scale) {
+    float s = dot * key_scale * scale;
+    return softcap > 0 ? std::tanh(s / softcap) * softcap : s;
+  };
+  // Scores: full tiles of kKeysAtOnce keys from token 0, widened once for every vector that reads them
+  std::vector<float>& wide = scratch.wide_keys;
+  wide.resize(kKeysAtOnce * dim);
+  const float* wide_keys[kKeysAtOnce];
+  float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
+  for (int i = 0; i < kKeysAtOnce; ++i) wide_keys[i] = wide.data() + i * dim;
+  for (int64_t t = 0; t + kKeysAtOnce <= longest; t += kKeysAtOnce) {
+    for (int i = 0; i < kKeysAtOnce; ++i) {
+      widen(k_row(t + i), dim, wide.data() + i * dim);
+      k_scales[i] = k_scale(t + i);
+    }
+    for (int64_t v = 0; v < vectors; ++v) {
+      if (length(v) < t + kKeysAtOnce) continue;
+      dot_keys(query(v), wide_keys, dim, dots);
+      float* row_scores = scores.data() + v * longest + t;
+      if (softcap > 0)
+        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = capped(dots[i], k_scales[i]);
+      else  // capped's products, in its order, for the compiler to vectorize
+        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * k_scales[i] * scale;
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v)  // each row's keys past its last full tile, one by one
+    for (int64_t t = length(v) / kKeysAtOnce * kKeysAtOnce; t < length(v); ++t)
+      scores[v * longest + t] = capped(dot(query(v), k_row(t), dim), k_scale(t));
+  for (int64_t v = 0; v < vectors; ++v) exponentiate(scores.data() + v * longest, length(v));
+  // Each vector's sum in token order, the vectors interleaved: independent chains, not one long one
+  std::vector<float>& sums = scratch.sums;
+  sums.assign(vectors, 0.f);
+  const int64_t shortest = length(0);
+  for (int64_t t = 0; t < shortest; ++t)
+    for (int64_t v = 0; v < vectors; ++v) sums[v] += scores[v * longest + t];
+  for (int64_t v = 0; v < vectors; ++v)
+    for (int64_t t = shortest; t < length(v); ++t) sums[v] += scores[v * longest + t];
+  if (vc.scale)  // int8: each token's probability times its value scale, as attend's weights
+    for (int64_t v = 0; v < vectors; ++v)
+      for (int64_t t = 0; t < length(v); ++t) scores[v * longest + t] *= v_scale(t);
+  // Value sums, a tile of tokens at a time: the vectors that read the whole tile together, then each
+  // row's last tokens alone, every sum resumed from the tile before.
+  std::vector<const void*>& values = scratch.values;
+  values.resize(longest);
+  for (int64_t t = 0; t < longest; ++t) values[t] = v_data + scratch.v_at[t] + head * vc.head_stride;
+  std::vector<const float*> weight_rows(vectors);
+  std::vector<float*> out_rows(vectors);
+  for (int64_t t0 = 0; t0 < longest; t0 += kValueTile) {
+    const int64_t t1 = std::min(longest, t0 + kValueTile);
+    const T* const* tile = reinterpret_cast<const T* const*>(values.data()) + t0;
+    int64_t whole = 0;
+    for (int64_t v = 0; v < vectors; ++v)
+      if (length(v) >= t1) weight_rows[whole] = scores.data() + v * longest + t0, out_rows[whole++] = output(v);
+    if (whole) value_sums(weight_rows.data(), tile, t1 - t0, out_rows.data(), whole, dim, t0 > 0);
+    for (int64_t v = 0; v < vectors; ++v) {
+      if (length(v) <= t0 || length(v) >= t1) continue;
+      const float* weights = scores.data() + v * longest + t0;
+      float* row_out = output(v);
+      value_sums(&weights, tile, length(v) - t0, &row_out, 1, dim, t0 > 0);
+    }
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* row_out = output(v);
+    for (int64_t d = 0; d < dim; ++d) row_out[d] /= sums[v];
+  }
+}
