@@ -75,6 +75,8 @@ inline void weighted_sums(const float* const* weights, const T* const* values, i
                           int64_t rows, bool resume) {
   constexpr int kAtOnce = C == 4 ? 3 : C == 8 ? 2 : 1;
   int64_t r = 0;
+  if constexpr (C == 4)  // a prompt block's many rows: 24 sums, 4 values and a weight fill 29 registers
+    for (; r + 6 <= rows; r += 6) weighted_sum<C, 6>(weights + r, values, n, out + r, resume);
   for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, resume);
   for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, resume);
 }

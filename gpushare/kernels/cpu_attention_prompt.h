@@ -11,7 +11,7 @@
 #pragma once
 
 constexpr int64_t kValueTile = 64;  // tokens of V a block's rows share while they sit in L1
-constexpr int64_t kBlockScoreFloats = 96 << 10;  // a block's scores, kept within a core's L2
+constexpr int64_t kBlockScoreFloats = 256 << 10;  // a block's scores, within a core's L2 (1 MiB here)
 constexpr int64_t kMaxBlockRows = 32;
 
 // How many rows a block of a prompt whose rows attend up to `length` keys holds.
@@ -56,11 +56,13 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     for (int64_t v = 0; v < vectors; ++v) {
       if (length(v) < t + kKeysAtOnce) continue;
       dot_keys(query(v), wide_keys, dim, dots);
-      float* row_scores = scores.data() + v * longest + t;
+      float* __restrict row_scores = scores.data() + v * longest + t;
       if (softcap > 0)
         for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = capped(dots[i], k_scales[i]);
-      else  // capped's products, in its order, for the compiler to vectorize
+      else if (kc.scale)  // capped's products, in its order, for the compiler to vectorize
         for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * k_scales[i] * scale;
+      else  // a key scale of 1 leaves a product as it is: the same floats
+        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * scale;
     }
   }
   for (int64_t v = 0; v < vectors; ++v)  // each row's keys past its last full tile, one by one
@@ -71,8 +73,15 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
   std::vector<float>& sums = scratch.sums;
   sums.assign(vectors, 0.f);
   const int64_t shortest = length(0);
-  for (int64_t t = 0; t < shortest; ++t)
-    for (int64_t v = 0; v < vectors; ++v) sums[v] += scores[v * longest + t];
+  constexpr int64_t kChains = 8;  // sums held in registers, not reloaded from memory at every token
+  for (int64_t v0 = 0; v0 < vectors; v0 += kChains) {
+    const int64_t chains = std::min(kChains, vectors - v0);
+    float acc[kChains] = {0};
+    for (int64_t t = 0; t < shortest; ++t)
+      for (int64_t j = 0; j < kChains; ++j)
+        if (j < chains) acc[j] += scores[(v0 + j) * longest + t];
+    for (int64_t j = 0; j < chains; ++j) sums[v0 + j] = acc[j];
+  }
   for (int64_t v = 0; v < vectors; ++v)
     for (int64_t t = shortest; t < length(v); ++t) sums[v] += scores[v * longest + t];
   if (vc.scale)  // int8: each token's probability times its value scale, as attend's weights
