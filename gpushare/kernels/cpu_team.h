@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <algorithm>
 #include <thread>
 
 #if defined(__x86_64__)
@@ -55,6 +56,13 @@ template <typename F>
 void claim(std::atomic<int64_t>& next, int64_t n, F&& f) {
   for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
     f(i);
+}
+
+// claim, `chunk` consecutive i at a time: each thread reads a linear's weights in runs it can stream.
+template <typename F>
+void claim_runs(std::atomic<int64_t>& next, int64_t n, int64_t chunk, F&& f) {
+  for (int64_t i = next.fetch_add(chunk, std::memory_order_relaxed); i < n; i = next.fetch_add(chunk, std::memory_order_relaxed))
+    for (int64_t j = i; j < std::min(n, i + chunk); ++j) f(j);
 }
 
 }  // namespace gpushare::team
