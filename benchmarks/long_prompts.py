@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
                "points": []}
     ours, ours_url = start_ours(args, log_dir)
     try:
-        results["serving"] = serving_formats(ours_url)
         seed = args.seed * 1000
         for c in levels:
             peer = start_llama(args, gguf, binary, c, log_dir) if binary else None
@@ -135,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{name}: {len(prompts)} prompts of ~{words} tokens, c={c}", file=sys.stderr, flush=True)
                         row = asyncio.run(run_point(url, prompts, c, args.output_tokens))
                         results["points"].append({"system": name, "concurrency": c, "words": words, **row})
+                        if name == "gpushare" and "serving" not in results:  # the model is loaded now
+                            results["serving"] = serving_formats(ours_url)
             finally:
                 if peer:
                     peer[0].stop()
