@@ -7,8 +7,9 @@
 // runs one SDPA per sequence: at batch 16 that is ~40% of a decode step in small ops, and SDPA's
 // blocking rounds a prompt's rows differently from the decode rows that follow them. Here one call does
 // the whole batch: work items are rows, or (row, KV head) pairs while there are fewer rows than
-// threads, claimed by torch's intra-op threads as they come free; each item's arithmetic is the same
-// whatever the batch or the thread count (fixed lanes, fixed order). Where the build has AVX-512 or AVX2
+// threads, or blocks of a prompt's consecutive rows and one KV head (cpu_attention_prompt.h), claimed
+// by torch's intra-op threads as they come free; each row's arithmetic is the same whatever the
+// batch, the item it is in or the thread count (fixed lanes, fixed order). Where the build has AVX-512 or AVX2
 // (kernels/cpu_ops.py picks its ISA), scores run 16 or 8 keys at a time and the softmax and value sums
 // a register at a time (cpu_attention_512.h, cpu_attention_256.h), each in the plain loop's float order.
 //
