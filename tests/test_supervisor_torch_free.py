@@ -1,8 +1,9 @@
-"""The daemon's supervisor never loads torch (engine.isolation: process, the default).
+"""The daemon's supervisor never loads torch or numpy (engine.isolation: process, the default).
 
 Engines and their torch live in the worker processes; the supervisor (HTTP, tokenising, chat
 templates, JSON schemas, the registry, placement) must not pay torch's ~200 MiB of resident memory:
-with it the idle daemon held 2.6x llama-server's memory (benchmarks/memory.py).
+with it the idle daemon held 2.6x llama-server's memory (benchmarks/memory.py). Nor numpy's and the
+`gguf` package's ~22 MiB: it reads GGUF headers with catalog/gguf_reader.py alone.
 """
 
 import subprocess
@@ -19,12 +20,13 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 def test_the_supervisor_packages_import_without_torch():
     """Every module of the supervisor's packages and of the protocol (tests/test_import_rule.py reads
-    their imports) imported in one process: no torch module, and no libtorch mapped into it."""
+    their imports) imported in one process: no torch, numpy or gguf module, and no libtorch mapped."""
     names = sorted(n for n in package_modules() if package_of(n) in (*SUPERVISOR, "protocol"))
     code = ("import importlib, sys\n"
             "import gpushare.api, gpushare.residency, gpushare.catalog, gpushare.cli\n"
             f"for name in {names!r}:\n    importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'llguidance.torch'))),\n"
+            "print(sorted(m for m in sys.modules if m in ('torch', 'numpy', 'gguf')\n"
+            "             or m.startswith(('torch.', 'numpy.', 'gguf.', 'llguidance.torch'))),\n"
             "      'libtorch' in open('/proc/self/maps').read())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[] False", out.stdout + out.stderr
@@ -66,7 +68,8 @@ def test_a_serving_supervisor_maps_no_torch(daemon):
     assert http("POST", url + "/api/show", {"model": MODEL, "verbose": True})[0] == 200
 
     supervisor = mapped_libraries(daemon.proc.pid)
-    assert not {lib for lib in supervisor if lib.startswith("libtorch")}, sorted(supervisor)
+    assert not {lib for lib in supervisor if lib.startswith(("libtorch", "_multiarray_umath"))}, sorted(supervisor)
     worker_pid = daemon.loaded()[MODEL]["worker_pid"]
-    assert any(lib.startswith("libtorch") for lib in mapped_libraries(worker_pid))  # the check can see torch
+    worker = mapped_libraries(worker_pid)
+    assert any(lib.startswith("libtorch") for lib in worker) and any(lib.startswith("_multiarray_umath") for lib in worker)
     assert rss_bytes(daemon.proc.pid) < SUPERVISOR_RSS_LIMIT_BYTES

@@ -1,6 +1,6 @@
 """A small GGUF parser: metadata and tensor locations, with the tensor bytes memory-mapped
-(``open_gguf``: any failure a GGUFError naming the file). numpy only, no torch: the daemon's
-supervisor reads headers with it.
+(``open_gguf``: any failure a GGUFError naming the file). Neither torch nor numpy: the daemon's
+supervisor reads headers with it (a tensor's ``data`` view takes numpy, in the engine workers).
 
 gguf's own reader builds a numpy view per array element, which takes seconds on a 49k-token
 vocabulary; walking the header with ``struct`` takes a few hundred milliseconds.
@@ -10,21 +10,23 @@ are capped in number (a string or an empty array costs a few bytes of file but a
 and tensor sizes are computed exactly and checked against the file.
 """
 
+import mmap
 import os
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 
-import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+from gpushare.catalog.ggml_types import BLOCK_SIZES, GGMLType
 from gpushare.catalog.model_files import open_regular
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # GGUF value types -> struct format of one scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# GGUF value types -> array typecode of an array of them (GGUF is little-endian, as the hosts we run on)
+_ARRAYS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_BOOL = 7
 _STRING, _ARRAY = 8, 9
 MAX_METADATA_VALUES = 1 << 24  # 16M: large vocabularies (256k tokens, scores, types, 500k merges) fit many times
 MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
@@ -34,19 +36,22 @@ MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
 class TensorInfo:
     name: str
     shape: list[int]  # ggml order: fastest-varying dimension first
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLType
     offset: int  # from the start of the file
     n_bytes: int
-    mm: np.memmap
+    mm: mmap.mmap  # the whole file, read-only
 
     @property
-    def data(self) -> np.ndarray:
-        """The raw tensor as gguf's reader gives it: floats in numpy shape, or [rows, row bytes] uint8 blocks."""
-        raw = self.mm[self.offset:self.offset + self.n_bytes]
+    def data(self):
+        """The raw tensor as gguf's reader gives it (a numpy array over the mapped file): floats in
+        numpy shape, or [rows, row bytes] uint8 blocks."""
+        import numpy as np  # the engine workers', not the supervisor's
+
+        raw = np.frombuffer(self.mm, np.uint8, self.n_bytes, self.offset)
         rows = [int(d) for d in reversed(self.shape)]
-        if self.tensor_type == GGMLQuantizationType.F32:
+        if self.tensor_type == GGMLType.F32:
             return raw.view(np.float32).reshape(rows)
-        if self.tensor_type == GGMLQuantizationType.F16:
+        if self.tensor_type == GGMLType.F16:
             return raw.view(np.float16).reshape(rows)
         return raw.reshape(rows[:-1] + [-1])
 
@@ -81,11 +86,16 @@ class _Cursor:
             if count > len(self.buf) - self.pos:  # every item takes at least one byte of the file
                 raise ValueError(f"a metadata array claims {count} items, more than the file holds")
             self._count(count)
-            if item_kind in _NUMPY:
-                width = np.dtype(_NUMPY[item_kind]).itemsize
-                items = np.frombuffer(self.buf, _NUMPY[item_kind], count, self.pos).tolist()
-                self.pos += width * count
-                return items
+            if item_kind in _ARRAYS:
+                items = array(_ARRAYS[item_kind])
+                end = self.pos + items.itemsize * count
+                if end > len(self.buf):
+                    raise ValueError(f"a metadata array of {count} items runs past the end of the file")
+                items.frombytes(self.buf[self.pos:end])
+                if sys.byteorder != "little":
+                    items.byteswap()
+                self.pos = end
+                return [bool(x) for x in items] if item_kind == _BOOL else items.tolist()
             return [self.value(item_kind) for _ in range(count)]
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")
@@ -112,7 +122,8 @@ def open_gguf(path: str) -> tuple[dict, list["TensorInfo"]]:
 
 def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[dict, list[TensorInfo]]:
     """(metadata, tensors); raises ValueError (or struct.error) on a malformed or truncated file."""
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     cur = _Cursor(memoryview(mm), max_values)
     if bytes(cur.buf[:4]) != MAGIC:
         raise ValueError("not a GGUF file (bad magic)")
@@ -134,7 +145,7 @@ def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[di
         if not 1 <= ndims <= MAX_TENSOR_DIMS:
             raise ValueError(f"tensor {name} has {ndims} dimensions (1 to {MAX_TENSOR_DIMS} allowed)")
         shape = [cur.scalar("Q") for _ in range(ndims)]
-        qtype = GGMLQuantizationType(cur.scalar("I"))
+        qtype = GGMLType(cur.scalar("I"))
         infos.append((name, shape, qtype, cur.scalar("Q")))
     alignment = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
     if not 1 <= alignment <= 1 << 20:
@@ -142,7 +153,7 @@ def read_gguf_file(path: str, max_values: int = MAX_METADATA_VALUES) -> tuple[di
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, shape, qtype, offset in infos:
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        block_size, type_size = BLOCK_SIZES[qtype]
         elements = 1
         for dim in shape:  # Python ints: a crafted shape must not wrap around to a small size
             elements *= dim

@@ -15,6 +15,7 @@ import llguidance
 from gpushare.catalog import chat_template
 from gpushare.catalog.encoder_config import (EncoderConfig, encoder_config_from_gguf, encoder_config_from_hf,
                                              is_encoder_gguf, is_encoder_hf)
+from gpushare.catalog.ggml_types import FILE_TYPE_NAMES
 from gpushare.catalog.gguf_reader import open_gguf
 from gpushare.catalog.llm_rerank import rerank_prompt_ids
 from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
@@ -232,8 +233,6 @@ def _file_type_name(file_type) -> str | None:
     if file_type is None:
         return None
     try:
-        from gguf import LlamaFileType
-
-        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-    except ValueError:
+        return FILE_TYPE_NAMES.get(int(file_type), str(file_type))
+    except (TypeError, ValueError):
         return str(file_type)

@@ -3,7 +3,6 @@
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors)
 
@@ -144,7 +143,10 @@ def recovered_merges(vocab: dict[str, int], scores: list[float]) -> list[tuple[s
                 score.append(-scores[i])
                 left_ids.append(left)
                 right_ids.append(right)
-    # arrays, not tuples of strings: a few bytes a merge while they are ranked
+    # numpy arrays, not tuples of strings: a few bytes a merge while they are ranked (imported here, for
+    # the vocabularies that need it: the supervisor otherwise runs without numpy's ~15 MiB)
+    import numpy as np
+
     order = np.lexsort((np.array(right_ids, np.int64), np.array(left_ids, np.int64), np.array(score, np.float64)))
     text = {i: token for token, i in vocab.items()}
     return [(text[left_ids[k]], text[right_ids[k]]) for k in order.tolist()]
