@@ -1,6 +1,7 @@
 """The engine on the real model: batching, chunked prefill, preemption, cancellation, bad input."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -202,3 +203,36 @@ def test_corrupt_gguf_is_reported(smollm2_path, tmp_path, how):
     bad.write_bytes(data if how == "truncated" else b"not a model at all")
     with pytest.raises(ValueError, match="bad.gguf"):
         load_model(str(bad))
+
+
+def test_snapshots_while_steps_run_are_throttled_and_a_finished_request_is_in_the_next(llm):
+    """A worker sends every snapshot to its supervisor: one a step (every few ms) cost the decode
+    steps ~7% at batch 1. While a request generates, snapshots come at most every
+    SNAPSHOT_INTERVAL_S; the one published with a request's last output already counts it done."""
+    from gpushare.engine.engine import SNAPSHOT_INTERVAL_S
+
+    engine = small_engine(llm, num_blocks=64)
+    snapshots, steps = [], []
+    engine.on_snapshot = lambda snapshot: snapshots.append(time.monotonic())
+    engine.on_step = lambda e: steps.append(e.steps)
+    finished = threading.Event()
+    seen_at_end = []
+
+    def on_output(out):
+        if out.finished:
+            seen_at_end.append(engine.snapshot.stats.models["m"])
+            finished.set()
+
+    engine.start()
+    try:
+        started_at, start_s = len(snapshots), time.monotonic()
+        engine.submit(engine.request("m", chat_ids(llm, PROMPTS[0]), greedy(96)), on_output)
+        assert finished.wait(120)
+        elapsed_s, during = time.monotonic() - start_s, snapshots[started_at:]
+        assert len(steps) >= 96
+        assert len(during) <= elapsed_s / SNAPSHOT_INTERVAL_S + 3, (len(during), len(steps), elapsed_s)
+        # published at least an interval apart, but for the last (the request's end)
+        assert all(b - a >= SNAPSHOT_INTERVAL_S - 0.005 for a, b in zip(during, during[1:-1])), during
+        assert seen_at_end[0].running == 0 and seen_at_end[0].steps == len(steps)
+    finally:
+        engine.shutdown()

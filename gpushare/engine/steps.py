@@ -55,7 +55,7 @@ def run_step(engine, resident: ResidentModel, batch) -> None:
     resident.prompt_tokens += sum(c for s, c in zip(batch.seqs, batch.chunks) if s.num_computed <= len(s.prompt_ids))
     for seq, token in sampled:
         engine.step_outputs.advance_one(resident, seq, token)
-    engine.flush()  # an urgent step's first token goes out now, not after the step it paused
+    engine.flush(after_step=True)  # an urgent step's first token goes out now, not after the step it paused
     if engine.on_step is not None:
         engine.on_step(engine)
 
