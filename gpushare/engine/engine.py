@@ -295,13 +295,13 @@ class Engine:
         flush, so whoever gets a request's last output sees state that already includes its end.
         Other threads and processes read only snapshots, never the engine's live state.
 
-        ``after_step``: a step's own flush, which publishes only when a request ended or the latest
-        snapshot is SNAPSHOT_INTERVAL_S old. A snapshot a step (every ~6 ms at batch 1) cost the worker
+        ``after_step``: a step's own flush, which publishes only when a request ended or got its first
+        token, or the latest snapshot is SNAPSHOT_INTERVAL_S old. A snapshot a step (every ~6 ms at batch 1) cost the worker
         and the supervisor a pickled message each, on the cores the step runs on, for counts that no
         reader needs that fresh."""
         now_s = time.monotonic()
         if (not after_step or now_s - self._snapshot_s >= SNAPSHOT_INTERVAL_S
-                or any(out.finished for _, out in self.step_outputs.outputs)):
+                or any(out.finished or len(seq.output_ids) <= 1 for seq, out in self.step_outputs.outputs)):
             self._snapshot_s = now_s
             residents = list(self.models.values())
             self.snapshot = EngineSnapshot(engine_stats(self),
