@@ -157,6 +157,47 @@ def test_a_step_with_adapter_rows_gives_the_layer_by_layer_bits(smollm2_path, we
     assert torch.equal(base[1], got[1]) and not torch.equal(base[0], got[0])  # the adapters did something
 
 
+def head_logits(model, ids, positions, caches, batch, rows: list[int], should_pause=None):
+    """The fused path's logits of ``rows`` (its call with the last layer runs the final norm and LM head)
+    and the layer by layer path's, from the same inputs."""
+    model.fused_decode = False
+    state = model.start(ids, positions, batch)
+    model.run_layers(state, copied(caches))
+    expected = model.logits(model.finish(state), torch.tensor(rows))
+    model.fused_decode = True
+    state = model.start(ids, positions, batch)
+    state.logit_rows = torch.tensor(rows)
+    while not model.run_layers(state, copied(caches), should_pause):
+        assert state.logits is None  # only the call that ends with the last layer runs the head
+    return state.logits, expected
+
+
+@pytest.mark.usefixtures("blocks")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_fused_head_gives_the_lm_heads_bits(smollm2_path, weights, monkeypatch):
+    """The rows that sample, a few of a step's (a wide one's, whose threads share the head), with
+    adapter rows (the call kernel by kernel), and across a pause between calls."""
+    torch.set_num_threads(2)
+    model = load_model(smollm2_path, weights=weights).model
+    assert model._decode_weights is False or model._decode_weights.head is not None
+    ids, positions, caches, batch = decode_inputs(model, [5 + 7 * i for i in range(33)])
+    got, expected = head_logits(model, ids, positions, caches, batch, [0, 7, 32])
+    assert model._decode_weights.head is not None  # SmolLM2's tied int8 LM head is on the block kernel
+    assert got.shape == (3, model.config.vocab_size) and torch.equal(got, expected)
+    ids, positions, caches, batch = decode_inputs(model, [1, 37, 200, 16])
+    got, expected = head_logits(model, ids, positions, caches, batch, [2])
+    assert torch.equal(got, expected)
+    table = model.adapter_table("base")
+    table.add(random_adapter(model, "eight", 8, seed=1))
+    batch.lora_slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
+    got, expected = head_logits(model, ids, positions, caches, batch, [0, 1, 3])
+    assert torch.equal(got, expected)
+    batch.lora_slots = None
+    monkeypatch.setattr(fused_decode, "LAYERS_PER_CALL", 7)
+    got, expected = head_logits(model, ids, positions, caches, batch, [3, 0], should_pause=lambda: True)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.usefixtures("blocks")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_a_step_with_prompt_chunks_gives_the_layer_by_layer_bits(smollm2_path, kv_dtype):

@@ -85,7 +85,11 @@ class ModelRunner:
     def begin(self, batch: Batch) -> StepInFlight:
         """Start a step; ``advance`` runs it, ``complete`` samples its tokens."""
         input_ids, positions, attention, last_rows = self._inputs(batch.seqs, batch.chunks)
-        return StepInFlight(batch, self.loaded.model.start(input_ids, positions, attention), last_rows)
+        forward = self.loaded.model.start(input_ids, positions, attention)
+        sampling = [last_rows[i] for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))
+                    if seq.num_pending == chunk]  # the chunk ends its input: the step samples its next token
+        forward.logit_rows = torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
+        return StepInFlight(batch, forward, last_rows)
 
     def advance(self, step: StepInFlight, should_pause=None) -> bool:
         """Run the step's layers; False when ``should_pause()`` stopped it between two layers."""
@@ -93,8 +97,9 @@ class ModelRunner:
 
     def complete(self, step: StepInFlight) -> list[tuple]:
         """Finish an advanced step; returns ``(seq, token)`` for every sequence whose chunk ended its input."""
-        batch = step.batch
-        hidden = self.loaded.model.finish(step.forward)
+        batch, model = step.batch, self.loaded.model
+        wants_prompt_logprobs = any(seq.prompt_logprobs is not None for seq in batch.seqs)
+        hidden = model.finish(step.forward) if step.forward.logits is None or wants_prompt_logprobs else None
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             if seq.prompt_logprobs is not None:
                 self._record_prompt_logprobs(seq, hidden, step.last_rows[i] - chunk + 1, chunk)
@@ -109,7 +114,7 @@ class ModelRunner:
             running = [child for child in seqs[i].forks if child.num_computed]
             seqs += running  # each draws its first token from answer 0's last prompt row
             last_rows += [last_rows[i]] * len(running)
-        logits = self.loaded.model.logits(hidden, torch.tensor(last_rows, device=self.device))
+        logits = self._logits(step, hidden, last_rows)
         matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
         tokens, logprobs = sample_batch(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
                                         matchers)
@@ -121,6 +126,17 @@ class ModelRunner:
                 except RuntimeError as e:
                     tokens[k] = SamplingFailure(str(e))
         return list(zip(seqs, tokens))
+
+    def _logits(self, step: StepInFlight, hidden, last_rows: list[int]) -> torch.Tensor:
+        """The logits of rows ``last_rows``: from the fused path's head where it ran (``begin`` named the
+        rows that sample; forks repeat one of them), else from ``hidden``."""
+        forward, model = step.forward, self.loaded.model
+        if forward.logits is None:
+            return model.logits(hidden, torch.tensor(last_rows, device=self.device))
+        computed = forward.logit_rows.tolist()
+        if computed == last_rows:
+            return model.capped(forward.logits)
+        return model.capped(forward.logits[torch.tensor([computed.index(r) for r in last_rows], device=self.device)])
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one KV block in every layer (on every rank of a tensor-parallel model)."""

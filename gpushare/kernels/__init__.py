@@ -83,14 +83,16 @@ def try_rope_and_cache(qkv, cos, sin, q_heads: int, kv_heads: int, k_cache, v_ca
 
 
 def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, context_lens, first_layer: int,
-                  lora_a=(), lora_b=(), lora_slots=None, lora_scales=None, pause=None):
+                  lora_a=(), lora_b=(), lora_slots=None, lora_scales=None, pause=None, head_rows=None):
     """Decode rows ``x`` through layers ``first_layer`` to ``first_layer + len(kv_caches)`` in one C++ call
     (cpu_decode.cpp), given the model's ``weights`` (gpushare.models.fused_decode.DecodeWeights) and
     those layers' ``kv_caches``; None, with nothing done, where the C++ kernels cannot take them. With
     adapters, ``lora_a``/``lora_b`` hold every layer's stacks (lora_torch.py's layout), seven a layer
     (q, k, v, o, gate, up, down), ``lora_slots`` each row's slot and ``lora_scales`` each slot's scale.
     ``pause`` (a uint8 [1] flag, models/pause_signal.py): the call stops after the first layer that ends
-    with it set. Returns (x after the layers run, how many ran)."""
+    with it set. ``head_rows`` (int64, in a call that ends with the model's last layer): also the final
+    norm and the LM head of those rows (``weights.head``). Returns (x after the layers run, how many ran,
+    the head's logits, empty unless the last layer ran and ``head_rows`` was given)."""
     if not (kv_caches and cos.dtype == torch.float32 and _cpp_cache(x, kv_caches[0][0])):
         return None
     k_parts = [_cache_parts(k) for k, _ in kv_caches]
@@ -102,7 +104,8 @@ def decode_layers(x, weights, kv_caches, cos, sin, slot_mapping, block_tables, c
         [p[0] for p in k_parts], [p[0] for p in v_parts], [p[1] for p in k_parts], [p[1] for p in v_parts],
         cos, sin, slot_mapping, block_tables, context_lens, weights.q_heads, weights.kv_heads, weights.eps,
         weights.attn_scale, weights.windows[first_layer:end], weights.softcap, lora_a[7 * first_layer:7 * end],
-        lora_b[7 * first_layer:7 * end], lora_slots, lora_scales, pause)
+        lora_b[7 * first_layer:7 * end], lora_slots, lora_scales, pause,
+        *(weights.head if head_rows is not None else (None, None, None, None, 0)), head_rows)
 
 
 def prepare_cpu() -> None:

@@ -10,7 +10,9 @@ admits a new prompt among running streams is one call too.
 
 It takes a model whose every layer is SmolLM2's and Llama's shape: SwiGLU, no biases, no q/k or
 sandwich norms, one RoPE, every linear on the block kernel (int8 or int4), float32 activations, no
-tensor parallel. Anything else runs layer by layer. LoRA adapters ride along: the call adds each row's
+tensor parallel. Anything else runs layer by layer. The call that ends with the last layer also runs the
+final norm and the LM head of the rows that sample (``ForwardState.logit_rows``) where the LM head is on
+the block kernel too, so that the step's largest matrix is read by threads already awake. LoRA adapters ride along: the call adds each row's
 adapter after each target linear (kernels/cpu_lora.cpp, the kernel the layer by layer path calls). A step
 may still pause between two calls for an urgent prompt.
 """
@@ -48,6 +50,7 @@ class DecodeWeights:
     eps: float
     attn_scale: float
     softcap: float
+    head: tuple | None = None  # final norm, LM head codes, scales, mins, out features; None: not on the block kernel
 
 
 def decode_weights(model) -> DecodeWeights | None:
@@ -69,6 +72,9 @@ def decode_weights(model) -> DecodeWeights | None:
         weights.mins += [linear.mins for linear in linears]
         weights.out_features += [linear.out_features for linear in linears]
         weights.windows.append(layer.self_attn.window)
+    head = model.lm_head
+    if head.blocks and head.bias is None and head.lora is None and not config.lm_head_rows:  # whole, not a rank's slice
+        weights.head = (model.norm.weight, head.codes, head.scales, head.mins, head.out_features)
     return weights
 
 
@@ -76,7 +82,8 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
     """Run the layers from ``state.next_layer`` on: True after the last one, False where ``should_pause``
     said so after a layer (as ``LlamaModel.run_layers``); None, with nothing done, where the kernels
     cannot (another device or dtype, no C++ build). A PauseSignal is read by the call after each layer,
-    any other callable between two calls. A step with adapter rows
+    any other callable between two calls. The call with the last layer sets ``state.logits`` (the final norm
+    and LM head of ``state.logit_rows``) where the weights have a head. A step with adapter rows
     (``state.batch.lora_slots``) adds them after each target linear from ``adapters``
     (models/lora_table.AdapterTable)."""
     batch, layers = state.batch, len(weights.windows)
@@ -89,13 +96,17 @@ def run(weights: DecodeWeights, state, kv_caches, should_pause=None, adapters=No
     signal = should_pause.flag if isinstance(should_pause, PauseSignal) else None
     tables, lengths = batch.rows()
     per_call = max(1, min(LAYERS_PER_CALL, ROW_LAYERS_PER_CALL // max(1, state.x.shape[0])))
+    head_rows = state.logit_rows if weights.head is not None else None
     while state.next_layer < layers:
         first, end = state.next_layer, min(layers, state.next_layer + per_call)
         ran = kernels.decode_layers(state.x, weights, kv_caches[first:end], state.cos, state.sin, batch.slot_mapping,
-                                    tables, lengths, first, pause=signal, **lora)
+                                    tables, lengths, first, pause=signal, head_rows=head_rows if end == layers else None,
+                                    **lora)
         if ran is None:
             return None
         state.x, state.next_layer = ran[0], first + ran[1]
+        if state.next_layer == layers and head_rows is not None:
+            state.logits = ran[2]
         if should_pause is not None and state.next_layer < layers and should_pause():
             return False
     return True

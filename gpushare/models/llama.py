@@ -65,6 +65,8 @@ class ForwardState:
     next_layer: int = 0
     cos_local: torch.Tensor | None = None  # sliding layers' own RoPE (Gemma 3), else None
     sin_local: torch.Tensor | None = None
+    logit_rows: torch.Tensor | None = None  # int64 rows that sample: the fused path's head computes their logits
+    logits: torch.Tensor | None = None  # float32 [len(logit_rows), vocab], uncapped, once the fused head ran
 
 
 class RMSNorm(nn.Module):
@@ -253,7 +255,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden, rows=None):
         """float32 logits of ``hidden[rows]`` (all rows when None)."""
-        logits = self.lm_head(hidden if rows is None else hidden[rows]).float()
+        return self.capped(self.lm_head(hidden if rows is None else hidden[rows]).float())
+
+    def capped(self, logits):
+        """The final soft cap (Gemma 2) of the LM head's output, where the model has one."""
         cap = self.config.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 
