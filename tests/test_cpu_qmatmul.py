@@ -106,6 +106,8 @@ def test_the_tied_embedding_reads_rows_back_from_the_packed_int8_weight():
     ids = torch.tensor([[0, 17], [63, 17]])
     rows = cpu_qmatmul.int8_rows(cpu_qmatmul.pack_int8(w.qweight), w.scales, 96, ids)
     assert torch.equal(rows, w.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_qmatmul.int8_rows(cpu_qmatmul.pack_int8(w.qweight), w.scales, 96, torch.tensor([64]))
 
 
 def test_a_row_that_is_not_finite_gives_nan_in_that_row_only():

@@ -320,11 +320,46 @@ at::Tensor quantized_matmul(const at::Tensor& x_in, const at::Tensor& codes, con
   return out;
 }
 
+// Rows `ids` (int64, any shape) of an int8 weight as packed above, float32 [*ids.shape, k]: the tied
+// embedding's lookup, (code - 128) * the row's scale. One call: the torch ops it replaces took ~0.3 ms
+// of a served batch-1 step, run one by one between two reads of the whole model.
+at::Tensor int8_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t k, const at::Tensor& ids_in) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && ids_in.scalar_type() == at::kLong && k % 4 == 0,
+              "int8_rows takes packed uint8 codes, float32 scales and int64 ids");
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t n = scales.numel(), count = ids.numel();
+  TORCH_CHECK(codes.numel() == n * k && n % qmatmul::kLanes == 0, "int8_rows: codes do not hold ", n, " rows of ", k);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, scales.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n, "int8_rows: id ", id[i], " out of range");
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      // [N/16, K/4, 16, 4]: row r's four codes at K/4 step j sit at tile r/16, step j, lane r%16
+      const uint8_t* lane = cp + (id[i] / qmatmul::kLanes) * k * qmatmul::kLanes + (id[i] % qmatmul::kLanes) * 4;
+      const float scale = sp[id[i]];
+      for (int64_t j = 0; j < k / 4; ++j)
+        for (int64_t b = 0; b < 4; ++b)
+          op[i * k + 4 * j + b] = (static_cast<float>(lane[j * qmatmul::kLanes * 4 + b]) - 128.0f) * scale;
+    }
+  });
+  return out;
+}
+
 }  // namespace gpushare
 
 TORCH_LIBRARY_FRAGMENT(gpushare, m) {
+  m.def("int8_rows(Tensor codes, Tensor scales, int k, Tensor ids) -> Tensor");
   m.def("quantized_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, int bits, bool portable) -> Tensor");
   m.def("quantized_matmul_kernel() -> str", &kernel_name);
 }
 
-TORCH_LIBRARY_IMPL(gpushare, CPU, m) { m.impl("quantized_matmul", &gpushare::quantized_matmul); }
+TORCH_LIBRARY_IMPL(gpushare, CPU, m) {
+  m.impl("quantized_matmul", &gpushare::quantized_matmul);
+  m.impl("int8_rows", &gpushare::int8_rows);
+}

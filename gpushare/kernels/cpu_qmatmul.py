@@ -28,9 +28,7 @@ def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
 
 def int8_rows(codes: torch.Tensor, scales: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of a ``pack_int8`` weight, dequantized to float32: the tied embedding's lookup."""
-    tiles = codes.view(-1, in_features // 4, LANES, 4)
-    rows = tiles[ids // LANES, :, ids % LANES, :].reshape(*ids.shape, in_features)
-    return (rows.to(torch.float32) - 128) * scales[ids, None]
+    return torch.ops.gpushare.int8_rows(codes, scales, in_features, ids.long())
 
 
 def pack_int4(nibbles: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
