@@ -48,6 +48,33 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
 
 
+def mapped_paths(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "/" in line}
+
+
+def test_libraries_for_grammars_and_templates_load_only_where_used(daemon):
+    """A plain chat leaves llguidance out of both processes and Jinja2 (markupsafe) out of the engine
+    worker, which renders no template: ~7 MiB of the idle daemon's resident memory. The first JSON
+    schema loads llguidance, in the supervisor (its check) and the worker (its matcher)."""
+    url = daemon.url
+    status, body, _ = http("POST", url + "/api/chat", {"model": MODEL, "stream": False, "options": {"num_predict": 4},
+                                                       "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200, body
+    worker_pid = daemon.loaded()[MODEL]["worker_pid"]
+
+    def loaded(pid: int, package: str) -> bool:
+        return any(f"/{package}/" in path for path in mapped_paths(pid))
+
+    assert not loaded(worker_pid, "llguidance") and not loaded(worker_pid, "markupsafe")
+    assert not loaded(daemon.proc.pid, "llguidance")
+    status, body, _ = http("POST", url + "/api/chat", {"model": MODEL, "stream": False, "format": PERSON,
+                                                       "messages": [{"role": "user", "content": "A person?"}],
+                                                       "options": {"temperature": 0, "num_predict": 40}})
+    assert status == 200, body
+    assert loaded(worker_pid, "llguidance") and loaded(daemon.proc.pid, "llguidance")
+
+
 def test_a_serving_supervisor_maps_no_torch(daemon):
     """After answers with logprobs, a JSON schema, embeddings, an OpenAI chat and /api/show have
     crossed the supervisor, it still maps no libtorch; its engine worker does."""

@@ -10,9 +10,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-import llguidance
-
-from gpushare.catalog import chat_template
 from gpushare.catalog.encoder_config import (EncoderConfig, encoder_config_from_gguf, encoder_config_from_hf,
                                              is_encoder_gguf, is_encoder_hf)
 from gpushare.catalog.ggml_types import FILE_TYPE_NAMES
@@ -68,14 +65,20 @@ class LoadedModel:
         return ids, None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        from gpushare.catalog import chat_template  # Jinja2: imported where templates render, not in a worker
+
         if self._template is None:
             self._template = chat_template.compile_template(self.template_source)
         return chat_template.render(self._template, messages, self.tokenizer.bos_token, self.tokenizer.eos_token,
                                     add_generation_prompt=add_generation_prompt, **extra)
 
 
-def grammar_vocab(loaded) -> llguidance.LLTokenizer:
-    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s)."""
+def grammar_vocab(loaded) -> "llguidance.LLTokenizer":  # noqa: F821 (imported on first use)
+    """The model's vocabulary as llguidance sees it (built once per loaded model, ~0.2 s). llguidance is
+    imported here, at a process's first grammar: ~2.5 MiB of resident memory that a daemon serving
+    no structured output does not hold."""
+    import llguidance
+
     with _vocab_lock:
         if loaded.grammar_vocab is None:
             tokenizer = loaded.tokenizer

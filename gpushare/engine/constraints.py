@@ -14,18 +14,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import llguidance
-
 from gpushare.catalog.model_head import grammar_vocab
 from gpushare.protocol.structured_output import SchemaError, StructuredOutput, check_lark, check_schema
 
 if TYPE_CHECKING:  # torch only where masks are applied: the supervisor checks schemas without it
+    import llguidance  # imported by the functions that make matchers: a worker that serves none never loads it
     import torch
 
 _executor: llguidance.LLExecutor | None = None
 
 
 def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:
+    import llguidance
+
     grammar = check_lark(structured.lark) if structured.lark is not None else check_schema(structured.schema())
     matcher = llguidance.LLMatcher(grammar_vocab(loaded), grammar, log_level=0)
     if matcher.is_error():
@@ -35,6 +36,7 @@ def new_matcher(loaded, structured: StructuredOutput) -> llguidance.LLMatcher:
 
 def _executor_for_engine() -> llguidance.LLExecutor:
     global _executor
+    import llguidance
     import torch
 
     if _executor is None:  # the engine thread only; as many workers as the engine's torch threads

@@ -31,7 +31,6 @@ import socket
 import threading
 from dataclasses import dataclass
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -92,6 +91,7 @@ LOOPBACK_SETTINGS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 def loopback_interface() -> str:
     """The name of the interface holding 127.0.0.1 ("lo" on Linux)."""
+    import psutil  # only a tensor-parallel group needs it: a worker alone does not load it
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
             return name

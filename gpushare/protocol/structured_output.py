@@ -10,8 +10,6 @@ import functools
 import json
 from dataclasses import dataclass
 
-import llguidance
-
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a small model cannot loop on whitespace
 
 
@@ -49,6 +47,8 @@ def _grammar(schema_text: str) -> str:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise SchemaError(f"is not a valid JSON Schema{' at ' + where if where else ''}: {e.message}") from None
+    import llguidance  # here, at the first schema: ~2.5 MiB that a daemon serving none does not hold
+
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
@@ -62,6 +62,8 @@ def _grammar(schema_text: str) -> str:
 def check_lark(source: str) -> str:
     """The llguidance grammar of a Lark grammar; SchemaError when it does not compile. Token references
     (``<[id]>``) are checked against the vocabulary when the matcher is built."""
+    import llguidance
+
     grammar = llguidance.grammar_from("lark", source)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
