@@ -84,5 +84,7 @@ def load_encoder(path: str, dtype: torch.dtype, device: str, progress=None, weig
         model = EncoderModel(config, state, dtype, device)
     except KeyError as e:
         raise ValueError(f"{path}: the {config.arch} encoder lacks tensor {e.args[0]}") from None
+    with torch.inference_mode():  # torch's one-time set-up of these kernels (~35 ms on 2 cores, more beside a
+        model([[0, 0]])           # running engine) is paid here, not by the first batch beside a chat stream
     return LoadedModel(path, config, model.eval(), tokenizer, template, stop, dtype, device, info, info["weights"],
                        kernel="torch", weight_bytes=weight_bytes(model), pooling=pooling)  # torch's linears
