@@ -54,9 +54,10 @@ def mapped_paths(pid: int) -> set[str]:
 
 
 def test_libraries_for_grammars_and_templates_load_only_where_used(daemon):
-    """A plain chat leaves llguidance out of both processes and Jinja2 (markupsafe) out of the engine
-    worker, which renders no template: ~7 MiB of the idle daemon's resident memory. The first JSON
-    schema loads llguidance, in the supervisor (its check) and the worker (its matcher)."""
+    """A plain chat leaves llguidance out of both processes, and Jinja2 (markupsafe) and the gguf
+    package (sentencepiece) out of the engine worker, which renders no template and decodes SmolLM2's
+    GGUF types itself: ~11 MiB of the idle daemon's resident memory. The first JSON schema loads
+    llguidance, in the supervisor (its check) and the worker (its matcher)."""
     url = daemon.url
     status, body, _ = http("POST", url + "/api/chat", {"model": MODEL, "stream": False, "options": {"num_predict": 4},
                                                        "messages": [{"role": "user", "content": "Hi"}]})
@@ -67,6 +68,7 @@ def test_libraries_for_grammars_and_templates_load_only_where_used(daemon):
         return any(f"/{package}/" in path for path in mapped_paths(pid))
 
     assert not loaded(worker_pid, "llguidance") and not loaded(worker_pid, "markupsafe")
+    assert not loaded(worker_pid, "sentencepiece")
     assert not loaded(daemon.proc.pid, "llguidance")
     status, body, _ = http("POST", url + "/api/chat", {"model": MODEL, "stream": False, "format": PERSON,
                                                        "messages": [{"role": "user", "content": "A person?"}],

@@ -57,12 +57,14 @@ def unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
 
 def _dense(data, type_name: str, shape: list[int]) -> torch.Tensor:
     """float32 ``shape`` from a tensor's ``data`` (all its rows, or some of them) of GGUF type ``type_name``."""
-    from gguf import GGMLQuantizationType, quants
-
     if type_name in ("F32", "F16"):
         return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
     weights = dequantize(data, type_name, shape)
     if weights is None:
+        # the gguf package for the types without a decoder of ours, imported only then: with its
+        # vocabulary helpers (sentencepiece) it holds ~4 MiB of a worker's memory for good
+        from gguf import GGMLQuantizationType, quants
+
         weights = torch.from_numpy(quants.dequantize(np.asarray(data), GGMLQuantizationType[type_name]).reshape(shape))
     return weights
 
