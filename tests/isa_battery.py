@@ -73,7 +73,7 @@ def paged(gen: torch.Generator, kind: str, block_size: int, kv_heads: int, dim: 
 def attention_cases(gen: torch.Generator):
     lengths = [1, 7, 16, 19, 64, 150, 300]
     for kind in ("float32", "bfloat16", "int8"):
-        for dim, block_size in [(24, 16), (48, 16), (64, 16), (80, 16), (128, 32)]:
+        for dim, block_size in [(24, 16), (48, 16), (64, 16), (80, 16), (96, 16), (128, 32)]:
             for group in (1, 3, 8):
                 (k, k_scale), (v, v_scale), tables = paged(gen, kind, block_size, 2, dim, lengths)
                 q = torch.randn(len(lengths), 2 * group, dim, generator=gen)

@@ -151,10 +151,11 @@ def bf16_kv_llm(smollm2_path):
 
 
 def test_bfloat16_kv_answers_as_float32_kv_on_the_oracle_prompts_in_half_the_bytes(llm, bf16_kv_llm):
-    """Greedy answers agree, or part only where float32 KV itself was at a near tie: the two tokens
-    are its top two there, within 0.05 of a nat (bfloat16 rounding moves logits by a few 1e-3)."""
+    """Greedy answers agree, or part only where float32 KV itself was at a near tie: the token bfloat16
+    KV took is among float32's top tokens there, within 0.05 of a nat of its first (bfloat16 KV, with
+    the pair arithmetic's queries and probabilities rounded to bfloat16, moves logits by ~1e-2)."""
     convs = [[{"role": "user", "content": p}] for p in ORACLE_PROMPTS]
-    exact = llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=2))
+    exact = llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=4))
     halved = bf16_kv_llm.chat(convs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     same = 0
     for reference, answer in zip(exact, halved):
@@ -162,11 +163,12 @@ def test_bfloat16_kv_answers_as_float32_kv_on_the_oracle_prompts_in_half_the_byt
             same += 1
             continue
         i = next(i for i, (a, b) in enumerate(zip(answer.token_ids, reference.token_ids)) if a != b)
-        (first, first_logprob), (second, second_logprob) = reference.logprobs[i].top[:2]
-        assert {first, second} == {answer.token_ids[i], reference.token_ids[i]}
-        assert first_logprob - second_logprob < 0.05
+        top = dict(reference.logprobs[i].top)
+        assert answer.token_ids[i] in top
+        assert max(top.values()) - top[answer.token_ids[i]] < 0.05
     # Every parting is checked as a near tie above; how many prompts meet one depends on the CPU's float
-    # paths (1 of 8 on the AVX-512 machine, 2 of 8 on an AVX2 Zen3), so only most must agree outright.
+    # paths (3 of 8 on the AVX-512 machine, at ties within 0.01-0.02 of a nat), so only most must agree
+    # outright.
     assert same >= len(convs) // 2
     per_block = bf16_kv_llm.engine.stats().models[bf16_kv_llm.model_name].block_bytes
     assert per_block * 2 == kv_bytes_per_block(llm.model.config, 16, torch.float32)

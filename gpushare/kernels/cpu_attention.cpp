@@ -43,12 +43,80 @@ using gpushare::rows::Cache;
 using gpushare::rows::dot;
 using gpushare::rows::kLanes;
 
+// The pair arithmetic of bfloat16 caches (head dims a multiple of kPairChunk), what vdpbf16ps computes:
+// a query row and a row's probabilities are rounded to bfloat16 (to nearest even; a value below
+// float32's normal range becomes zero, as vdpbf16ps flushes it), and a product of two bfloat16 is
+// exact in float32. A score adds, pair by pair of dims, the product of dims 2p + 1, then of dims 2p
+// (pair_score); a value sum adds, pair by pair of tokens from the row's first key, token t + 1's
+// product, then token t's (an odd last token alone). Where the CPU has vdpbf16ps (AVX-512 BF16) it
+// does a pair in one instruction on the cache's bits as they lie, for 16 keys or 16 dims at once;
+// elsewhere the same float operations give the same bits, but for a product or partial sum below
+// float32's normal range (~1e-38), which vdpbf16ps flushes to zero. A tile's keys lie one per lane
+// (pair_tile), so a score needs no reduction across a register. Long prompts are attention-bound:
+// this does twice the multiply-adds an instruction of float32's (docs/benchmarks.md).
+constexpr int64_t kPairChunk = 32;
+constexpr int64_t kMaxPairDim = 512;  // prepare() refuses larger head dims of bfloat16 caches
+
+template <typename T>
+inline bool by_pairs(int64_t dim) {
+  return std::is_same_v<T, c10::BFloat16> && dim % kPairChunk == 0;
+}
+
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits & 0x7F800000u) == 0 ? bits & 0x80000000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof(bits));
+  return x;
+}
+
+// x[0, n) rounded to bfloat16, in place (the compiler vectorizes it).
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
+}
+
+// Query row x [dim] for the pair arithmetic: rounded, into `rounded` (float32) and `bits` (its bfloat16
+// bits, what vdpbf16ps reads).
+inline void pair_query(const float* x, int64_t dim, float* rounded, uint16_t* bits) {
+  for (int64_t d = 0; d < dim; ++d) {
+    rounded[d] = round_bf16(x[d]);
+    uint32_t u;
+    std::memcpy(&u, &rounded[d], sizeof(u));
+    bits[d] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+// One key's pair score from a rounded query row. One add a dim: GCC 12's -O3 vectorizer reorders a
+// loop that adds the two products of a pair as two statements (wrong sums, seen here).
+inline float pair_score(const float* q, const c10::BFloat16* k, int64_t dim) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const int64_t i = d ^ 1;  // dims 2p + 1, then 2p
+    sum += q[i] * static_cast<float>(k[i]);
+  }
+  return sum;
+}
+
+// What a tile's missing keys read past a row's last key: zeros.
+const uint16_t kZeroKey[kMaxPairDim] = {};
+
 #if defined(__AVX512F__)
 #include "cpu_attention_512.h"
 #define GPUSHARE_ATTENTION_SIMD 1
 #elif defined(__AVX2__)
 #include "cpu_attention_256.h"
 #define GPUSHARE_ATTENTION_SIMD 1
+#endif
+
+#if defined(GPUSHARE_ATTENTION_SIMD)
+// pair_scores for `count` query rows against one tile, as many at a time as the registers hold.
+inline void pair_scores_of(int64_t count, const float* const* q, const uint16_t* const* bits, const float* tile,
+                           int64_t dim, float* const* out) {
+  int64_t v = 0;
+  for (; v + 8 <= count; v += 8) pair_scores<8>(q + v, bits + v, tile, dim, out + v);
+  for (; v + 4 <= count; v += 4) pair_scores<4>(q + v, bits + v, tile, dim, out + v);
+  for (; v < count; ++v) pair_scores<1>(q + v, bits + v, tile, dim, out + v);
+}
 #endif
 
 // e^x for x <= 0 (scores minus their maximum), written so that the compiler vectorizes a loop of it:
@@ -86,6 +154,20 @@ inline void exponentiate(float* p, int64_t n) {
   for (; i < n; ++i) p[i] = exp_nonpositive(p[i] - top);
 }
 
+// The sum of p[0, n) in dot's order (16 lane sums, its tree, then the last n % 16 in order), which the
+// compiler vectorizes: a softmax's denominator, the same for a row whatever path computes it.
+inline float row_sum(const float* p, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += p[i + j];
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  float sum = lanes[0];
+  for (; i < n; ++i) sum += p[i];
+  return sum;
+}
+
 template <typename T>
 inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] += weight * static_cast<float>(v[d]);
@@ -93,7 +175,11 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 
 // Scratch kept by a thread across its items.
 struct Scratch {
-  std::vector<float> scores, sums, weights, wide_keys;
+  std::vector<float> scores, sums, weights, wide_keys, queries, tile_scores;  // queries: rounded rows (pairs)
+  std::vector<uint16_t> query_bits;
+  std::vector<const float*> query_rows;
+  std::vector<const uint16_t*> query_bit_rows;
+  std::vector<float*> tile_score_rows;
   std::vector<const void*> values;
   std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
 };
@@ -137,9 +223,51 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   const auto v_scale = [&](int64_t t, int64_t head) {
     return vc.scale ? vc.scale[scratch.v_scale_at[t - start] + head * vc.scale_head] : 1.f;
   };
+  const bool pairs = by_pairs<T>(dim);
+  if (pairs) {  // each query head's row for the pair arithmetic
+    scratch.queries.resize(rows * dim);
+    scratch.query_bits.resize(rows * dim);
+    for (int64_t head = first_head; head < last_head; ++head)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = (head - first_head) * group + g;
+        pair_query(q + (head * group + g) * dim, dim, scratch.queries.data() + row * dim,
+                   scratch.query_bits.data() + row * dim);
+      }
+  }
+  const auto pair_row = [&](int64_t head, int64_t g) { return scratch.queries.data() + ((head - first_head) * group + g) * dim; };
   int64_t t = start;
 #if defined(GPUSHARE_ATTENTION_SIMD)
-  if (dim % kLanes == 0) {  // kKeysAtOnce tokens at a time, the same bits as one by one below
+  if (pairs) {  // a tile of kKeysAtOnce keys at a time, the last one filled up with zero keys
+    const c10::BFloat16* keys[kKeysAtOnce];
+    std::vector<float>& tile = scratch.wide_keys;
+    tile.resize(kKeysAtOnce * dim);
+    std::vector<float>& dots = scratch.tile_scores;
+    std::vector<const float*>& q_rows = scratch.query_rows;
+    std::vector<const uint16_t*>& q_bits = scratch.query_bit_rows;
+    std::vector<float*>& out_rows = scratch.tile_score_rows;
+    dots.resize(group * kKeysAtOnce), q_rows.resize(group), q_bits.resize(group), out_rows.resize(group);
+    for (int64_t g = 0; g < group; ++g) out_rows[g] = dots.data() + g * kKeysAtOnce;
+    for (; t < length; t += kKeysAtOnce)
+      for (int64_t head = first_head; head < last_head; ++head) {
+        for (int i = 0; i < kKeysAtOnce; ++i)
+          keys[i] = t + i < length ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i, head))
+                                   : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
+        pair_tile(keys, dim, tile.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = (head - first_head) * group + g;
+          q_rows[g] = pair_row(head, g), q_bits[g] = scratch.query_bits.data() + row * dim;
+        }
+        pair_scores_of(group, q_rows.data(), q_bits.data(), tile.data(), dim, out_rows.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = (head - first_head) * group + g;
+          for (int64_t i = 0; i < kKeysAtOnce && t + i < length; ++i) {
+            float s = dots[g * kKeysAtOnce + i] * scale;
+            if (softcap > 0) s = std::tanh(s / softcap) * softcap;
+            scores[row * n + t + i - start] = s;
+          }
+        }
+      }
+  } else if (dim % kLanes == 0) {  // kKeysAtOnce tokens at a time, the same bits as one by one below
     const T* keys[kKeysAtOnce];
     float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
     // Keys stored narrower than float32 are widened once for their head's whole query group (the same
@@ -180,18 +308,20 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
       const float row_scale = k_scale(t, head);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = (head - first_head) * group + g;
-        float s = dot(q + (head * group + g) * dim, k, dim) * row_scale * scale;
+        float s = pairs ? pair_score(pair_row(head, g), reinterpret_cast<const c10::BFloat16*>(k), dim) * scale
+                        : dot(q + (head * group + g) * dim, k, dim) * row_scale * scale;
         if (softcap > 0) s = std::tanh(s / softcap) * softcap;
         scores[row * n + t - start] = s;
       }
     }
   }
   std::vector<float>& sums = scratch.sums;
-  sums.assign(rows, 0.f);
-  for (int64_t row = 0; row < rows; ++row) exponentiate(scores.data() + row * n, n);
-  // Each row's sum in token order, the rows interleaved: independent chains, not one long one.
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t row = 0; row < rows; ++row) sums[row] += scores[row * n + i];
+  sums.resize(rows);
+  for (int64_t row = 0; row < rows; ++row) {
+    exponentiate(scores.data() + row * n, n);
+    if (pairs) round_row(scores.data() + row * n, n);
+    sums[row] = row_sum(scores.data() + row * n, n);
+  }
   float* first_out = out + first_head * group * dim;
 #if defined(GPUSHARE_ATTENTION_SIMD)
   if (values_fit(dim)) {
@@ -214,14 +344,20 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
         weight_rows[g] = p;
         out_rows[g] = first_out + row * dim;
       }
-      value_sums(weight_rows.data(), reinterpret_cast<const T* const*>(values.data()), n, out_rows.data(), group,
-                 dim);
+      if (pairs)
+        pair_value_sums(weight_rows.data(), reinterpret_cast<const c10::BFloat16* const*>(values.data()), n,
+                        out_rows.data(), group, dim);
+      else
+        value_sums(weight_rows.data(), reinterpret_cast<const T* const*>(values.data()), n, out_rows.data(), group,
+                   dim);
     }
   } else
 #endif
   {
     std::fill(first_out, first_out + rows * dim, 0.f);
-    for (int64_t t = start; t < length; ++t) {
+    for (int64_t i = start; i < length; ++i) {
+      // the pair arithmetic adds token t + 1's products, then t's (an odd last token alone)
+      const int64_t t = !pairs ? i : (i - start) % 2 == 0 ? (i + 1 < length ? i + 1 : i) : i - 1;
       for (int64_t head = first_head; head < last_head; ++head) {
         const T* v = v_row(t, head);
         const float row_scale = v_scale(t, head);
@@ -293,6 +429,8 @@ Call prepare(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor
   c.batch = c.q.size(0), c.q_heads = c.q.size(1), c.dim = c.q.size(2);
   c.block_size = k_cache.size(1), c.kv_heads = k_cache.size(2), c.width = c.tables.size(1);
   TORCH_CHECK(k_cache.size(3) == c.dim && c.q_heads % c.kv_heads == 0, "q and the KV cache disagree on heads or dim");
+  TORCH_CHECK(k_cache.scalar_type() != at::kBFloat16 || c.dim <= kMaxPairDim, "bfloat16 caches take head dims up to ",
+              kMaxPairDim);
   TORCH_CHECK(c.tables.size(0) == c.batch && c.lens.size(0) == c.batch, "one block table and length per row");
   c.kc = rows::cache_of(k_cache, k_scale), c.vc = rows::cache_of(v_cache, v_scale);
   c.group = c.q_heads / c.kv_heads;

@@ -68,13 +68,15 @@ inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
 // out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values[t] there, for G rows
 // of weights at once: add_scaled's float operations, the G x C sums in registers across all of t.
 // `resume`: the sums go on from those already in out (the same bits as one run).
-template <int C, int G, typename T>
+// Pairs: the pair arithmetic's order (cpu_attention.cpp's pair_query): token t + 1's product, then t's.
+template <int C, int G, bool Pairs, typename T>
 inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
                          int64_t c0, bool resume) {
   __m256 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = !Pairs ? i : i % 2 == 0 ? (i + 1 < n ? i + 1 : i) : i - 1;
     __m256 v[C];
     for (int c = 0; c < C; ++c) v[c] = load8(values[t] + (c0 + c) * 8);
     for (int g = 0; g < G; ++g) {
@@ -88,36 +90,97 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
 
 // weighted_sum over `chunks` registers of columns, C at a time, for `rows` rows, as many as the
 // registers hold (the 16 of AVX2: G x C sums and C values).
-template <int C, typename T>
+template <int C, bool Pairs, typename T>
 inline void slabs(const float* const* weights, const T* const* values, int64_t n, float* const* out, int64_t rows,
                   int64_t chunks, bool resume) {
   constexpr int kAtOnce = C <= 2 ? 4 : C <= 4 ? 2 : 1;
   for (int64_t c0 = 0; c0 < chunks; c0 += C) {
     int64_t r = 0;
-    for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, c0, resume);
-    for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, c0, resume);
+    for (; r + kAtOnce <= rows; r += kAtOnce)
+      weighted_sum<C, kAtOnce, Pairs>(weights + r, values, n, out + r, c0, resume);
+    for (; r < rows; ++r) weighted_sum<C, 1, Pairs>(weights + r, values, n, out + r, c0, resume);
   }
 }
 
 // Whether value_sums takes a head dim.
 inline bool values_fit(int64_t dim) { return dim % 8 == 0; }
 
-template <typename T>
+template <bool Pairs = false, typename T>
 inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
                        int64_t rows, int64_t dim, bool resume = false) {
   const int64_t chunks = dim / 8;
   int64_t width = std::min<int64_t>(8, chunks);  // the widest slab that divides the columns
   while (chunks % width != 0) --width;
   switch (width) {
-    case 8: slabs<8>(weights, values, n, out, rows, chunks, resume); break;
-    case 7: slabs<7>(weights, values, n, out, rows, chunks, resume); break;
-    case 6: slabs<6>(weights, values, n, out, rows, chunks, resume); break;
-    case 5: slabs<5>(weights, values, n, out, rows, chunks, resume); break;
-    case 4: slabs<4>(weights, values, n, out, rows, chunks, resume); break;
-    case 3: slabs<3>(weights, values, n, out, rows, chunks, resume); break;
-    case 2: slabs<2>(weights, values, n, out, rows, chunks, resume); break;
-    default: slabs<1>(weights, values, n, out, rows, chunks, resume); break;
+    case 8: slabs<8, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 7: slabs<7, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 6: slabs<6, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 5: slabs<5, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 4: slabs<4, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 3: slabs<3, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    case 2: slabs<2, Pairs>(weights, values, n, out, rows, chunks, resume); break;
+    default: slabs<1, Pairs>(weights, values, n, out, rows, chunks, resume); break;
   }
+}
+
+// ---- the pair arithmetic of bfloat16 caches (cpu_attention.cpp's pair_score), in float operations ----
+
+constexpr bool kPairInstruction = false;
+
+// 8 rows of 8 32-bit lanes -> 8 columns: out[j] lane i = r[i] lane j.
+inline void transpose8(const __m256i (&r)[8], __m256i (&out)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[2 * i]), _mm256_castsi256_ps(r[2 * i + 1]));
+    t[2 * i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[2 * i]), _mm256_castsi256_ps(r[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // u[4i + m]: 128-bit half h holds column 4h + m of rows 4i .. 4i + 3
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int m = 0; m < 4; ++m) {
+    out[m] = _mm256_castps_si256(_mm256_permute2f128_ps(u[m], u[m + 4], 0x20));
+    out[m + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[m], u[m + 4], 0x31));
+  }
+}
+
+// A tile of 8 keys for pair_scores, into `tile` (8 x dim floats of room): for each dim pair p, the
+// keys' dims 2p + 1, then their dims 2p, widened to float32.
+inline void pair_tile(const c10::BFloat16* const* k, int64_t dim, float* tile) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t c = 0; c < dim / 16; ++c) {
+    __m256i rows[8], columns[8];
+    for (int i = 0; i < 8; ++i) rows[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[i] + c * 16));
+    transpose8(rows, columns);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t p = c * 8 + j;
+      _mm256_storeu_ps(tile + 16 * p, _mm256_castsi256_ps(_mm256_and_si256(columns[j], odd)));
+      _mm256_storeu_ps(tile + 16 * p + 8, _mm256_castsi256_ps(_mm256_slli_epi32(columns[j], 16)));
+    }
+  }
+}
+
+// The pair scores of V query rows against a tile's 8 keys, a key per lane: pair_score's float operations.
+template <int V>
+inline void pair_scores(const float* const* q, const uint16_t* const*, const float* tile, int64_t dim,
+                        float* const* out) {
+  __m256 acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    const __m256 odd = _mm256_loadu_ps(tile + 16 * p), even = _mm256_loadu_ps(tile + 16 * p + 8);
+    for (int v = 0; v < V; ++v) {
+      acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(_mm256_set1_ps(q[v][2 * p + 1]), odd));
+      acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(_mm256_set1_ps(q[v][2 * p]), even));
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(out[v], acc[v]);
+}
+
+inline void pair_value_sums(const float* const* weights, const c10::BFloat16* const* values, int64_t n,
+                            float* const* out, int64_t rows, int64_t dim, bool resume = false) {
+  value_sums<true>(weights, values, n, out, rows, dim, resume);
 }
 
 // The max of p[0, i) into top for the largest multiple i of 8 <= n (max is exact: any order finds the

@@ -18,18 +18,8 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
-// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
-// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
-// alone spends most of its time in that tree (a reduction across a register); 16 share it.
-template <typename T>
-inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += kLanes) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
-  }
+// dot16's reduction of 16 keys' lane sums (its widths 8, 4, 2, 1) into out.
+__attribute__((always_inline)) inline void reduce16(__m512 (&acc)[16], float* out) {
   __m512 half[8], quarter[4], eighth[2];
   for (int i = 0; i < 8; ++i)  // width 8: rows 2i, 2i+1 -> their 8 sums side by side
     half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
@@ -47,17 +37,34 @@ inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
 }
 
+// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
+// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
+// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
+// alone spends most of its time in that tree (a reduction across a register); 16 share it.
+template <typename T>
+inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
+  }
+  reduce16(acc, out);
+}
+
 // out[g][0, 16 C) = the sum over t, in t's order, of weights[g][t] * values[t], for G rows of weights at
 // once (sharing each value row's loads): add_scaled's float operations (each element's products added
 // one by one from zero), the G x C sums held in registers across all of t. `resume`: the sums go on
 // from those already in out (a float stored and loaded is the same float: the same bits as one run).
-template <int C, int G, typename T>
+// Pairs: the pair arithmetic's order without vdpbf16ps (cpu_attention.cpp): token t + 1's product, then t's.
+template <int C, int G, bool Pairs = false, typename T>
 inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
                          bool resume) {
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm512_loadu_ps(out[g] + c * kLanes) : _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = !Pairs ? i : i % 2 == 0 ? (i + 1 < n ? i + 1 : i) : i - 1;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values[t] + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -67,18 +74,6 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + c * kLanes, acc[g][c]);
-}
-
-// weighted_sum for `rows` rows, as many at a time as the registers hold.
-template <int C, typename T>
-inline void weighted_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                          int64_t rows, bool resume) {
-  constexpr int kAtOnce = C == 4 ? 3 : C == 8 ? 2 : 1;
-  int64_t r = 0;
-  if constexpr (C == 4)  // a prompt block's many rows: 24 sums, 4 values and a weight fill 29 registers
-    for (; r + 6 <= rows; r += 6) weighted_sum<C, 6>(weights + r, values, n, out + r, resume);
-  for (; r + kAtOnce <= rows; r += kAtOnce) weighted_sum<C, kAtOnce>(weights + r, values, n, out + r, resume);
-  for (; r < rows; ++r) weighted_sum<C, 1>(weights + r, values, n, out + r, resume);
 }
 
 // k[0, n) widened to float32 into out, n a multiple of 16: load16's values, stored.
@@ -97,18 +92,6 @@ inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
 inline bool values_fit(int64_t dim) {
   const int64_t chunks = dim / kLanes;
   return dim % kLanes == 0 && (chunks == 4 || chunks == 8 || chunks == 16);
-}
-
-template <typename T>
-inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                       int64_t rows, int64_t dim, bool resume = false) {
-  const int64_t chunks = dim / kLanes;
-  if (chunks == 4)
-    weighted_sums<4>(weights, values, n, out, rows, resume);
-  else if (chunks == 8)
-    weighted_sums<8>(weights, values, n, out, rows, resume);
-  else
-    weighted_sums<16>(weights, values, n, out, rows, resume);
 }
 
 // The max of p[0, i) into top for the largest multiple i of 16 <= n (max is exact: any order finds
@@ -143,4 +126,164 @@ inline int64_t exponentiate_simd(float* p, int64_t n, float top) {
     _mm512_storeu_ps(p + i, _mm512_mul_ps(e, _mm512_castsi512_ps(bits)));
   }
   return i;
+}
+
+// ---- the pair arithmetic of bfloat16 caches (cpu_attention.cpp's pair_score) ----
+
+// 16 rows of 16 32-bit lanes -> 16 columns: out[j] lane i = r[i] lane j.
+inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + m]: 128-bit lane L holds column 4L + m of rows 4i .. 4i + 3
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h)  // rows 8h .. 8h + 7: v[8h + 2m] columns m, m + 8; v[8h + 2m + 1] m + 4, m + 12
+    for (int m = 0; m < 4; ++m) {
+      v[8 * h + 2 * m] = _mm512_shuffle_i32x4(u[8 * h + m], u[8 * h + m + 4], 0x88);
+      v[8 * h + 2 * m + 1] = _mm512_shuffle_i32x4(u[8 * h + m], u[8 * h + m + 4], 0xDD);
+    }
+  for (int m = 0; m < 4; ++m) {
+    out[m] = _mm512_shuffle_i32x4(v[2 * m], v[8 + 2 * m], 0x88);
+    out[m + 8] = _mm512_shuffle_i32x4(v[2 * m], v[8 + 2 * m], 0xDD);
+    out[m + 4] = _mm512_shuffle_i32x4(v[2 * m + 1], v[9 + 2 * m], 0x88);
+    out[m + 12] = _mm512_shuffle_i32x4(v[2 * m + 1], v[9 + 2 * m], 0xDD);
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kPairInstruction = true;  // vdpbf16ps: the pair arithmetic in one instruction
+#else
+constexpr bool kPairInstruction = false;
+#endif
+
+// A tile of 16 keys for pair_scores, into `tile` (16 x dim floats of room): for each dim pair p, the
+// keys' 32-bit pairs (dims 2p, 2p + 1) side by side (vdpbf16ps); without it, their dims 2p + 1 then
+// their dims 2p, widened to float32.
+inline void pair_tile(const c10::BFloat16* const* k, int64_t dim, float* tile) {
+  for (int64_t c = 0; c < dim / kPairChunk; ++c) {
+    __m512i rows[16], columns[16];
+    for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_si512(k[i] + c * kPairChunk);
+    transpose16(rows, columns);
+    for (int j = 0; j < 16; ++j) {
+      const int64_t p = c * 16 + j;
+      if (kPairInstruction) {
+        _mm512_storeu_si512(tile + 16 * p, columns[j]);
+      } else {
+        _mm512_storeu_si512(tile + 32 * p, _mm512_and_si512(columns[j], _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+        _mm512_storeu_si512(tile + 32 * p + 16, _mm512_slli_epi32(columns[j], 16));
+      }
+    }
+  }
+}
+
+// The pair scores of V query rows against a tile's 16 keys (a key per lane, so no reduction across
+// lanes): pair_score's float operations for every key at once.
+template <int V>
+inline void pair_scores(const float* const* q, const uint16_t* const* bits, const float* tile, int64_t dim,
+                        float* const* out) {
+  __m512 acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dim / 2; ++p) {
+#if defined(__AVX512BF16__)
+    const __m512bh column = (__m512bh)_mm512_loadu_si512(tile + 16 * p);
+    for (int v = 0; v < V; ++v) {
+      uint32_t pair;
+      std::memcpy(&pair, bits[v] + 2 * p, sizeof(pair));
+      acc[v] = _mm512_dpbf16_ps(acc[v], (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)), column);
+    }
+#else
+    const __m512 odd = _mm512_loadu_ps(tile + 32 * p), even = _mm512_loadu_ps(tile + 32 * p + 16);
+    for (int v = 0; v < V; ++v) {
+      acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(_mm512_set1_ps(q[v][2 * p + 1]), odd));
+      acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(_mm512_set1_ps(q[v][2 * p]), even));
+    }
+#endif
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[v], acc[v]);
+}
+
+#if defined(__AVX512BF16__)
+// The pair value sums of G rows of weights (each rounded to bfloat16 already) over C registers of 16
+// dims: a pair of tokens' values interleaved (token t in the low half of a 32-bit lane, t + 1 in the
+// high) for vdpbf16ps, which adds t + 1's product, then t's. An odd last token pairs with zeros.
+template <int C, int G>
+inline void pair_sum(const float* const* weights, const c10::BFloat16* const* values, int64_t n, float* const* out,
+                     bool resume) {
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm512_loadu_ps(out[g] + c * kLanes) : _mm512_setzero_ps();
+  const __m512i interleave = _mm512_set_epi16(  // word 2m: first's m, word 2m + 1: second's m
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const auto weight_pair = [](const float* w, int64_t t, bool lone) {
+    uint32_t low, high = 0;
+    std::memcpy(&low, w + t, 4);
+    if (!lone) std::memcpy(&high, w + t + 1, 4);
+    return _mm512_set1_epi32(static_cast<int32_t>((high & 0xFFFF0000u) | (low >> 16)));
+  };
+  for (int64_t t = 0; t < n; t += 2) {
+    const bool lone = t + 1 == n;
+    __m512i v[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i first = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[t] + c * kLanes)));
+      const __m512i second = lone ? _mm512_setzero_si512()
+                                  : _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[t + 1] + c * kLanes)));
+      v[c] = _mm512_permutex2var_epi16(first, interleave, second);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)weight_pair(weights[g], t, lone);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)v[c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + c * kLanes, acc[g][c]);
+}
+#else
+// The pair value sums without vdpbf16ps: the same float operations, one by one.
+template <int C, int G>
+inline void pair_sum(const float* const* weights, const c10::BFloat16* const* values, int64_t n, float* const* out,
+                     bool resume) {
+  weighted_sum<C, G, true>(weights, values, n, out, resume);
+}
+#endif
+
+// weighted_sum (Pairs: pair_sum) for `rows` rows, as many at a time as the registers hold.
+template <int C, bool Pairs, typename T>
+inline void weighted_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                          int64_t rows, bool resume) {
+  const auto sum = [&]<int G>(int64_t r) {
+    if constexpr (Pairs)
+      pair_sum<C, G>(weights + r, values, n, out + r, resume);
+    else
+      weighted_sum<C, G>(weights + r, values, n, out + r, resume);
+  };
+  constexpr int kAtOnce = C == 4 ? 3 : C == 8 ? 2 : 1;
+  int64_t r = 0;
+  if constexpr (C == 4)  // a prompt block's many rows: 24 sums, 4 values and a weight fill 29 registers
+    for (; r + 6 <= rows; r += 6) sum.template operator()<6>(r);
+  for (; r + kAtOnce <= rows; r += kAtOnce) sum.template operator()<kAtOnce>(r);
+  for (; r < rows; ++r) sum.template operator()<1>(r);
+}
+
+// Pairs: the pair arithmetic's value sums (values bfloat16, weights rounded to it), pairs from token 0.
+template <bool Pairs = false, typename T>
+inline void value_sums(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                       int64_t rows, int64_t dim, bool resume = false) {
+  const int64_t chunks = dim / kLanes;
+  if (chunks == 4)
+    weighted_sums<4, Pairs>(weights, values, n, out, rows, resume);
+  else if (chunks == 8)
+    weighted_sums<8, Pairs>(weights, values, n, out, rows, resume);
+  else
+    weighted_sums<16, Pairs>(weights, values, n, out, rows, resume);
+}
+
+inline void pair_value_sums(const float* const* weights, const c10::BFloat16* const* values, int64_t n,
+                            float* const* out, int64_t rows, int64_t dim, bool resume = false) {
+  value_sums<true>(weights, values, n, out, rows, dim, resume);
 }

@@ -5,8 +5,9 @@
 // KV head in bfloat16) through the cache and widens every key again; the block reads each 16-key tile
 // and each value tile once for all its rows' query heads, from L1. Every number is computed as `attend`
 // computes it for that row: the same dot products per key (dot_keys over full tiles from token 0, `dot`
-// for a row's last keys), the same softmax over the row's own scores, and the same value sums in token
-// order (resumed tile after tile from the floats stored between them), so a row's bits do not depend on
+// for a row's last keys; bfloat16 caches: pair_scores over tiles from token 0, the last filled up with
+// zero keys), the same softmax over the row's own scores, and the same value sums in token order
+// (resumed tile after tile from the floats stored between them), so a row's bits do not depend on
 // which path ran it. Rows with a window (whose tiles start at each row's own first key) go by row.
 #pragma once
 
@@ -42,48 +43,73 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     float s = dot * key_scale * scale;
     return softcap > 0 ? std::tanh(s / softcap) * softcap : s;
   };
-  // Scores: full tiles of kKeysAtOnce keys from token 0, widened once for every vector that reads them
+  const bool pairs = by_pairs<T>(dim);
+  if (pairs) {  // each vector's query for the pair arithmetic
+    scratch.queries.resize(vectors * dim);
+    scratch.query_bits.resize(vectors * dim);
+    for (int64_t v = 0; v < vectors; ++v)
+      pair_query(query(v), dim, scratch.queries.data() + v * dim, scratch.query_bits.data() + v * dim);
+  }
+  const auto pair_row = [&](int64_t v) { return scratch.queries.data() + v * dim; };
   std::vector<float>& wide = scratch.wide_keys;
   wide.resize(kKeysAtOnce * dim);
-  const float* wide_keys[kKeysAtOnce];
-  float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
-  for (int i = 0; i < kKeysAtOnce; ++i) wide_keys[i] = wide.data() + i * dim;
-  for (int64_t t = 0; t + kKeysAtOnce <= longest; t += kKeysAtOnce) {
-    for (int i = 0; i < kKeysAtOnce; ++i) {
-      widen(k_row(t + i), dim, wide.data() + i * dim);
-      k_scales[i] = k_scale(t + i);
+  if (pairs) {  // tiles of kKeysAtOnce keys from token 0, the last one filled up with zero keys
+    const c10::BFloat16* keys[kKeysAtOnce];
+    std::vector<float>& dots = scratch.tile_scores;
+    std::vector<const float*>& q_rows = scratch.query_rows;
+    std::vector<const uint16_t*>& q_bits = scratch.query_bit_rows;
+    std::vector<float*>& out_rows = scratch.tile_score_rows;
+    dots.resize(vectors * kKeysAtOnce), q_rows.resize(vectors), q_bits.resize(vectors), out_rows.resize(vectors);
+    for (int64_t t = 0; t < longest; t += kKeysAtOnce) {
+      for (int i = 0; i < kKeysAtOnce; ++i)
+        keys[i] = t + i < longest ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i))
+                                  : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
+      pair_tile(keys, dim, wide.data());
+      int64_t reading = 0;  // the vectors whose rows reach this tile
+      for (int64_t v = 0; v < vectors; ++v)
+        if (length(v) > t) {
+          q_rows[reading] = pair_row(v), q_bits[reading] = scratch.query_bits.data() + v * dim;
+          out_rows[reading] = dots.data() + v * kKeysAtOnce;
+          ++reading;
+        }
+      pair_scores_of(reading, q_rows.data(), q_bits.data(), wide.data(), dim, out_rows.data());
+      for (int64_t v = 0; v < vectors; ++v)
+        for (int64_t i = 0; i < kKeysAtOnce && t + i < length(v); ++i)
+          scores[v * longest + t + i] = capped(dots[v * kKeysAtOnce + i], 1.f);
     }
-    for (int64_t v = 0; v < vectors; ++v) {
-      if (length(v) < t + kKeysAtOnce) continue;
-      dot_keys(query(v), wide_keys, dim, dots);
-      float* __restrict row_scores = scores.data() + v * longest + t;
-      if (softcap > 0)
-        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = capped(dots[i], k_scales[i]);
-      else if (kc.scale)  // capped's products, in its order, for the compiler to vectorize
-        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * k_scales[i] * scale;
-      else  // a key scale of 1 leaves a product as it is: the same floats
-        for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * scale;
+  } else {
+    // Scores: full tiles of kKeysAtOnce keys from token 0, widened once for every vector that reads them
+    const float* wide_keys[kKeysAtOnce];
+    float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
+    for (int i = 0; i < kKeysAtOnce; ++i) wide_keys[i] = wide.data() + i * dim;
+    for (int64_t t = 0; t + kKeysAtOnce <= longest; t += kKeysAtOnce) {
+      for (int i = 0; i < kKeysAtOnce; ++i) {
+        widen(k_row(t + i), dim, wide.data() + i * dim);
+        k_scales[i] = k_scale(t + i);
+      }
+      for (int64_t v = 0; v < vectors; ++v) {
+        if (length(v) < t + kKeysAtOnce) continue;
+        dot_keys(query(v), wide_keys, dim, dots);
+        float* __restrict row_scores = scores.data() + v * longest + t;
+        if (softcap > 0)
+          for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = capped(dots[i], k_scales[i]);
+        else if (kc.scale)  // capped's products, in its order, for the compiler to vectorize
+          for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * k_scales[i] * scale;
+        else  // a key scale of 1 leaves a product as it is: the same floats
+          for (int i = 0; i < kKeysAtOnce; ++i) row_scores[i] = dots[i] * scale;
+      }
     }
+    for (int64_t v = 0; v < vectors; ++v)  // each row's keys past its last full tile, one by one
+      for (int64_t t = length(v) / kKeysAtOnce * kKeysAtOnce; t < length(v); ++t)
+        scores[v * longest + t] = capped(dot(query(v), k_row(t), dim), k_scale(t));
   }
-  for (int64_t v = 0; v < vectors; ++v)  // each row's keys past its last full tile, one by one
-    for (int64_t t = length(v) / kKeysAtOnce * kKeysAtOnce; t < length(v); ++t)
-      scores[v * longest + t] = capped(dot(query(v), k_row(t), dim), k_scale(t));
-  for (int64_t v = 0; v < vectors; ++v) exponentiate(scores.data() + v * longest, length(v));
-  // Each vector's sum in token order, the vectors interleaved: independent chains, not one long one
+  for (int64_t v = 0; v < vectors; ++v) {
+    exponentiate(scores.data() + v * longest, length(v));
+    if (pairs) round_row(scores.data() + v * longest, length(v));
+  }
   std::vector<float>& sums = scratch.sums;
-  sums.assign(vectors, 0.f);
-  const int64_t shortest = length(0);
-  constexpr int64_t kChains = 8;  // sums held in registers, not reloaded from memory at every token
-  for (int64_t v0 = 0; v0 < vectors; v0 += kChains) {
-    const int64_t chains = std::min(kChains, vectors - v0);
-    float acc[kChains] = {0};
-    for (int64_t t = 0; t < shortest; ++t)
-      for (int64_t j = 0; j < kChains; ++j)
-        if (j < chains) acc[j] += scores[(v0 + j) * longest + t];
-    for (int64_t j = 0; j < chains; ++j) sums[v0 + j] = acc[j];
-  }
-  for (int64_t v = 0; v < vectors; ++v)
-    for (int64_t t = shortest; t < length(v); ++t) sums[v] += scores[v * longest + t];
+  sums.resize(vectors);
+  for (int64_t v = 0; v < vectors; ++v) sums[v] = row_sum(scores.data() + v * longest, length(v));
   if (vc.scale)  // int8: each token's probability times its value scale, as attend's weights
     for (int64_t v = 0; v < vectors; ++v)
       for (int64_t t = 0; t < length(v); ++t) scores[v * longest + t] *= v_scale(t);
@@ -100,12 +126,19 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     int64_t whole = 0;
     for (int64_t v = 0; v < vectors; ++v)
       if (length(v) >= t1) weight_rows[whole] = scores.data() + v * longest + t0, out_rows[whole++] = output(v);
-    if (whole) value_sums(weight_rows.data(), tile, t1 - t0, out_rows.data(), whole, dim, t0 > 0);
+    // (the pair arithmetic's pairs start at token 0: a tile starts at an even token)
+    const auto sums_of = [&](const float* const* weights, int64_t count, float* const* outs, int64_t rows) {
+      if (pairs)
+        pair_value_sums(weights, reinterpret_cast<const c10::BFloat16* const*>(tile), count, outs, rows, dim, t0 > 0);
+      else
+        value_sums(weights, tile, count, outs, rows, dim, t0 > 0);
+    };
+    if (whole) sums_of(weight_rows.data(), t1 - t0, out_rows.data(), whole);
     for (int64_t v = 0; v < vectors; ++v) {
       if (length(v) <= t0 || length(v) >= t1) continue;
       const float* weights = scores.data() + v * longest + t0;
       float* row_out = output(v);
-      value_sums(&weights, tile, length(v) - t0, &row_out, 1, dim, t0 > 0);
+      sums_of(&weights, length(v) - t0, &row_out, 1);
     }
   }
   for (int64_t v = 0; v < vectors; ++v) {
