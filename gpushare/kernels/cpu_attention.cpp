@@ -70,10 +70,6 @@ inline float round_bf16(float x) {
   return x;
 }
 
-// x[0, n) rounded to bfloat16, in place (the compiler vectorizes it).
-inline void round_row(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
-}
 
 // Query row x [dim] for the pair arithmetic: rounded, into `rounded` (float32) and `bits` (its bfloat16
 // bits, what vdpbf16ps reads).
@@ -111,11 +107,17 @@ const uint16_t kZeroKey[kMaxPairDim] = {};
 #if defined(GPUSHARE_ATTENTION_SIMD)
 // pair_scores for `count` query rows against one tile, as many at a time as the registers hold.
 inline void pair_scores_of(int64_t count, const float* const* q, const uint16_t* const* bits, const float* tile,
-                           int64_t dim, float* const* out) {
+                           int64_t dim, float scale, float* const* out) {
   int64_t v = 0;
-  for (; v + 8 <= count; v += 8) pair_scores<8>(q + v, bits + v, tile, dim, out + v);
-  for (; v + 4 <= count; v += 4) pair_scores<4>(q + v, bits + v, tile, dim, out + v);
-  for (; v < count; ++v) pair_scores<1>(q + v, bits + v, tile, dim, out + v);
+  for (; v + 8 <= count; v += 8) pair_scores<8>(q + v, bits + v, tile, dim, scale, out + v);
+  for (; v + 4 <= count; v += 4) pair_scores<4>(q + v, bits + v, tile, dim, scale, out + v);
+  for (; v < count; ++v) pair_scores<1>(q + v, bits + v, tile, dim, scale, out + v);
+}
+
+// A row's scores as pair_scores left them (times the scale) through the soft cap, in place.
+inline void cap_scores(float* s, int64_t n, float softcap) {
+  if (softcap > 0)
+    for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
 }
 #endif
 
@@ -156,16 +158,28 @@ inline void exponentiate(float* p, int64_t n) {
 
 // The sum of p[0, n) in dot's order (16 lane sums, its tree, then the last n % 16 in order), which the
 // compiler vectorizes: a softmax's denominator, the same for a row whatever path computes it.
-inline float row_sum(const float* p, int64_t n) {
+// Rounded: p rounded to bfloat16 first, in place (the pair arithmetic's probabilities).
+template <bool Rounded>
+inline float row_sum(float* p, int64_t n) {
   float lanes[kLanes] = {0};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += p[i + j];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (Rounded) p[i + j] = round_bf16(p[i + j]);
+      lanes[j] += p[i + j];
+    }
   for (int64_t width = kLanes / 2; width > 0; width /= 2)
     for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   float sum = lanes[0];
-  for (; i < n; ++i) sum += p[i];
+  for (; i < n; ++i) {
+    if (Rounded) p[i] = round_bf16(p[i]);
+    sum += p[i];
+  }
   return sum;
+}
+
+inline float row_sum(float* p, int64_t n, bool rounded) {
+  return rounded ? row_sum<true>(p, n) : row_sum<false>(p, n);
 }
 
 template <typename T>
@@ -246,27 +260,24 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     std::vector<const uint16_t*>& q_bits = scratch.query_bit_rows;
     std::vector<float*>& out_rows = scratch.tile_score_rows;
     dots.resize(group * kKeysAtOnce), q_rows.resize(group), q_bits.resize(group), out_rows.resize(group);
-    for (int64_t g = 0; g < group; ++g) out_rows[g] = dots.data() + g * kKeysAtOnce;
     for (; t < length; t += kKeysAtOnce)
       for (int64_t head = first_head; head < last_head; ++head) {
         for (int i = 0; i < kKeysAtOnce; ++i)
           keys[i] = t + i < length ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i, head))
                                    : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
         pair_tile(keys, dim, tile.data());
+        const bool whole = t + kKeysAtOnce <= length;  // a full tile's scores go straight to their rows
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = (head - first_head) * group + g;
           q_rows[g] = pair_row(head, g), q_bits[g] = scratch.query_bits.data() + row * dim;
+          out_rows[g] = whole ? scores.data() + row * n + t - start : dots.data() + g * kKeysAtOnce;
         }
-        pair_scores_of(group, q_rows.data(), q_bits.data(), tile.data(), dim, out_rows.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t row = (head - first_head) * group + g;
-          for (int64_t i = 0; i < kKeysAtOnce && t + i < length; ++i) {
-            float s = dots[g * kKeysAtOnce + i] * scale;
-            if (softcap > 0) s = std::tanh(s / softcap) * softcap;
-            scores[row * n + t + i - start] = s;
-          }
-        }
+        pair_scores_of(group, q_rows.data(), q_bits.data(), tile.data(), dim, scale, out_rows.data());
+        if (!whole)
+          for (int64_t g = 0; g < group; ++g)
+            std::copy(out_rows[g], out_rows[g] + (length - t), scores.data() + ((head - first_head) * group + g) * n + t - start);
       }
+    for (int64_t row = 0; row < rows; ++row) cap_scores(scores.data() + row * n, n, softcap);
   } else if (dim % kLanes == 0) {  // kKeysAtOnce tokens at a time, the same bits as one by one below
     const T* keys[kKeysAtOnce];
     float dots[kKeysAtOnce], k_scales[kKeysAtOnce];
@@ -319,8 +330,7 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   sums.resize(rows);
   for (int64_t row = 0; row < rows; ++row) {
     exponentiate(scores.data() + row * n, n);
-    if (pairs) round_row(scores.data() + row * n, n);
-    sums[row] = row_sum(scores.data() + row * n, n);
+    sums[row] = row_sum(scores.data() + row * n, n, pairs);
   }
   float* first_out = out + first_head * group * dim;
 #if defined(GPUSHARE_ATTENTION_SIMD)

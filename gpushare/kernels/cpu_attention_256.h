@@ -162,10 +162,11 @@ inline void pair_tile(const c10::BFloat16* const* k, int64_t dim, float* tile) {
   }
 }
 
-// The pair scores of V query rows against a tile's 8 keys, a key per lane: pair_score's float operations.
+// The pair scores of V query rows against a tile's 8 keys, a key per lane: pair_score's float operations,
+// times `scale`.
 template <int V>
 inline void pair_scores(const float* const* q, const uint16_t* const*, const float* tile, int64_t dim,
-                        float* const* out) {
+                        float scale, float* const* out) {
   __m256 acc[V];
   for (int v = 0; v < V; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t p = 0; p < dim / 2; ++p) {
@@ -175,7 +176,7 @@ inline void pair_scores(const float* const* q, const uint16_t* const*, const flo
       acc[v] = _mm256_add_ps(acc[v], _mm256_mul_ps(_mm256_set1_ps(q[v][2 * p]), even));
     }
   }
-  for (int v = 0; v < V; ++v) _mm256_storeu_ps(out[v], acc[v]);
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(out[v], _mm256_mul_ps(acc[v], _mm256_set1_ps(scale)));
 }
 
 inline void pair_value_sums(const float* const* weights, const c10::BFloat16* const* values, int64_t n,

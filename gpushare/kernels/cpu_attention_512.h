@@ -183,10 +183,10 @@ inline void pair_tile(const c10::BFloat16* const* k, int64_t dim, float* tile) {
 }
 
 // The pair scores of V query rows against a tile's 16 keys (a key per lane, so no reduction across
-// lanes): pair_score's float operations for every key at once.
+// lanes): pair_score's float operations for every key at once, times `scale`.
 template <int V>
 inline void pair_scores(const float* const* q, const uint16_t* const* bits, const float* tile, int64_t dim,
-                        float* const* out) {
+                        float scale, float* const* out) {
   __m512 acc[V];
   for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < dim / 2; ++p) {
@@ -205,7 +205,7 @@ inline void pair_scores(const float* const* q, const uint16_t* const* bits, cons
     }
 #endif
   }
-  for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[v], acc[v]);
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(out[v], _mm512_mul_ps(acc[v], _mm512_set1_ps(scale)));
 }
 
 #if defined(__AVX512BF16__)

@@ -65,18 +65,21 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
         keys[i] = t + i < longest ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i))
                                   : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
       pair_tile(keys, dim, wide.data());
-      int64_t reading = 0;  // the vectors whose rows reach this tile
+      int64_t reading = 0;  // the vectors whose rows reach this tile; a full tile's scores go to their row
       for (int64_t v = 0; v < vectors; ++v)
         if (length(v) > t) {
           q_rows[reading] = pair_row(v), q_bits[reading] = scratch.query_bits.data() + v * dim;
-          out_rows[reading] = dots.data() + v * kKeysAtOnce;
+          out_rows[reading] = length(v) >= t + kKeysAtOnce ? scores.data() + v * longest + t
+                                                           : dots.data() + v * kKeysAtOnce;
           ++reading;
         }
-      pair_scores_of(reading, q_rows.data(), q_bits.data(), wide.data(), dim, out_rows.data());
+      pair_scores_of(reading, q_rows.data(), q_bits.data(), wide.data(), dim, scale, out_rows.data());
       for (int64_t v = 0; v < vectors; ++v)
-        for (int64_t i = 0; i < kKeysAtOnce && t + i < length(v); ++i)
-          scores[v * longest + t + i] = capped(dots[v * kKeysAtOnce + i], 1.f);
+        if (length(v) > t && length(v) < t + kKeysAtOnce)
+          std::copy(dots.data() + v * kKeysAtOnce, dots.data() + v * kKeysAtOnce + (length(v) - t),
+                    scores.data() + v * longest + t);
     }
+    for (int64_t v = 0; v < vectors; ++v) cap_scores(scores.data() + v * longest, length(v), softcap);
   } else {
     // Scores: full tiles of kKeysAtOnce keys from token 0, widened once for every vector that reads them
     const float* wide_keys[kKeysAtOnce];
@@ -103,13 +106,10 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
       for (int64_t t = length(v) / kKeysAtOnce * kKeysAtOnce; t < length(v); ++t)
         scores[v * longest + t] = capped(dot(query(v), k_row(t), dim), k_scale(t));
   }
-  for (int64_t v = 0; v < vectors; ++v) {
-    exponentiate(scores.data() + v * longest, length(v));
-    if (pairs) round_row(scores.data() + v * longest, length(v));
-  }
+  for (int64_t v = 0; v < vectors; ++v) exponentiate(scores.data() + v * longest, length(v));
   std::vector<float>& sums = scratch.sums;
   sums.resize(vectors);
-  for (int64_t v = 0; v < vectors; ++v) sums[v] = row_sum(scores.data() + v * longest, length(v));
+  for (int64_t v = 0; v < vectors; ++v) sums[v] = row_sum(scores.data() + v * longest, length(v), pairs);
   if (vc.scale)  // int8: each token's probability times its value scale, as attend's weights
     for (int64_t v = 0; v < vectors; ++v)
       for (int64_t t = 0; t < length(v); ++t) scores[v * longest + t] *= v_scale(t);
