@@ -70,6 +70,11 @@ inline float round_bf16(float x) {
   return x;
 }
 
+// The token a pair-ordered value sum over n tokens adds i-th: t + 1, then t, pair by pair (an odd last
+// token alone).
+inline int64_t pair_order(int64_t i, int64_t n) {
+  return i % 2 == 0 ? (i + 1 < n ? i + 1 : i) : i - 1;
+}
 
 // Query row x [dim] for the pair arithmetic: rounded, into `rounded` (float32) and `bits` (its bfloat16
 // bits, what vdpbf16ps reads).
@@ -355,8 +360,8 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
         out_rows[g] = first_out + row * dim;
       }
       if (pairs)
-        pair_value_sums(weight_rows.data(), reinterpret_cast<const c10::BFloat16* const*>(values.data()), n,
-                        out_rows.data(), group, dim);
+        value_sums<true>(weight_rows.data(), reinterpret_cast<const c10::BFloat16* const*>(values.data()), n,
+                         out_rows.data(), group, dim);
       else
         value_sums(weight_rows.data(), reinterpret_cast<const T* const*>(values.data()), n, out_rows.data(), group,
                    dim);
@@ -366,8 +371,7 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
   {
     std::fill(first_out, first_out + rows * dim, 0.f);
     for (int64_t i = start; i < length; ++i) {
-      // the pair arithmetic adds token t + 1's products, then t's (an odd last token alone)
-      const int64_t t = !pairs ? i : (i - start) % 2 == 0 ? (i + 1 < length ? i + 1 : i) : i - 1;
+      const int64_t t = pairs ? start + pair_order(i - start, length - start) : i;
       for (int64_t head = first_head; head < last_head; ++head) {
         const T* v = v_row(t, head);
         const float row_scale = v_scale(t, head);

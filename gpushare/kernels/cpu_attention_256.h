@@ -68,7 +68,7 @@ inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
 // out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values[t] there, for G rows
 // of weights at once: add_scaled's float operations, the G x C sums in registers across all of t.
 // `resume`: the sums go on from those already in out (the same bits as one run).
-// Pairs: the pair arithmetic's order (cpu_attention.cpp's pair_query): token t + 1's product, then t's.
+// Pairs: the pair arithmetic's order (cpu_attention.cpp's pair_order): token t + 1's product, then t's.
 template <int C, int G, bool Pairs, typename T>
 inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
                          int64_t c0, bool resume) {
@@ -76,7 +76,7 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = !Pairs ? i : i % 2 == 0 ? (i + 1 < n ? i + 1 : i) : i - 1;
+    const int64_t t = Pairs ? pair_order(i, n) : i;
     __m256 v[C];
     for (int c = 0; c < C; ++c) v[c] = load8(values[t] + (c0 + c) * 8);
     for (int g = 0; g < G; ++g) {
@@ -177,11 +177,6 @@ inline void pair_scores(const float* const* q, const uint16_t* const*, const flo
     }
   }
   for (int v = 0; v < V; ++v) _mm256_storeu_ps(out[v], _mm256_mul_ps(acc[v], _mm256_set1_ps(scale)));
-}
-
-inline void pair_value_sums(const float* const* weights, const c10::BFloat16* const* values, int64_t n,
-                            float* const* out, int64_t rows, int64_t dim, bool resume = false) {
-  value_sums<true>(weights, values, n, out, rows, dim, resume);
 }
 
 // The max of p[0, i) into top for the largest multiple i of 8 <= n (max is exact: any order finds the

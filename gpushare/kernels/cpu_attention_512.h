@@ -18,8 +18,18 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// dot16's reduction of 16 keys' lane sums (its widths 8, 4, 2, 1) into out.
-__attribute__((always_inline)) inline void reduce16(__m512 (&acc)[16], float* out) {
+// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
+// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
+// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
+// alone spends most of its time in that tree (a reduction across a register); 16 share it.
+template <typename T>
+inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
+  }
   __m512 half[8], quarter[4], eighth[2];
   for (int i = 0; i < 8; ++i)  // width 8: rows 2i, 2i+1 -> their 8 sums side by side
     half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
@@ -37,26 +47,12 @@ __attribute__((always_inline)) inline void reduce16(__m512 (&acc)[16], float* ou
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, sums));
 }
 
-// dot(q, k[t], n) for 16 rows k[t] at once, n a multiple of 16, with dot's float operations in dot's
-// order (so the same bits): each row's 16 lane sums in a register, then its tree of lane j + lane
-// j + width for widths 8, 4, 2, 1, run for the 16 rows together by pairing registers up. One dot
-// alone spends most of its time in that tree (a reduction across a register); 16 share it.
-template <typename T>
-inline void dot16(const float* q, const T* const* k, int64_t n, float* out) {
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += kLanes) {
-    const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, load16(k[t] + d)));
-  }
-  reduce16(acc, out);
-}
-
 // out[g][0, 16 C) = the sum over t, in t's order, of weights[g][t] * values[t], for G rows of weights at
 // once (sharing each value row's loads): add_scaled's float operations (each element's products added
 // one by one from zero), the G x C sums held in registers across all of t. `resume`: the sums go on
 // from those already in out (a float stored and loaded is the same float: the same bits as one run).
-// Pairs: the pair arithmetic's order without vdpbf16ps (cpu_attention.cpp): token t + 1's product, then t's.
+// Pairs: the pair arithmetic's order without vdpbf16ps (cpu_attention.cpp's pair_order): token t + 1's
+// product, then t's.
 template <int C, int G, bool Pairs = false, typename T>
 inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
                          bool resume) {
@@ -64,7 +60,7 @@ inline void weighted_sum(const float* const* weights, const T* const* values, in
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm512_loadu_ps(out[g] + c * kLanes) : _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = !Pairs ? i : i % 2 == 0 ? (i + 1 < n ? i + 1 : i) : i - 1;
+    const int64_t t = Pairs ? pair_order(i, n) : i;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values[t] + c * kLanes);
     for (int g = 0; g < G; ++g) {
@@ -281,9 +277,4 @@ inline void value_sums(const float* const* weights, const T* const* values, int6
     weighted_sums<8, Pairs>(weights, values, n, out, rows, resume);
   else
     weighted_sums<16, Pairs>(weights, values, n, out, rows, resume);
-}
-
-inline void pair_value_sums(const float* const* weights, const c10::BFloat16* const* values, int64_t n,
-                            float* const* out, int64_t rows, int64_t dim, bool resume = false) {
-  value_sums<true>(weights, values, n, out, rows, dim, resume);
 }

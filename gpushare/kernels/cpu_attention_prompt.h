@@ -129,7 +129,7 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     // (the pair arithmetic's pairs start at token 0: a tile starts at an even token)
     const auto sums_of = [&](const float* const* weights, int64_t count, float* const* outs, int64_t rows) {
       if (pairs)
-        pair_value_sums(weights, reinterpret_cast<const c10::BFloat16* const*>(tile), count, outs, rows, dim, t0 > 0);
+        value_sums<true>(weights, reinterpret_cast<const c10::BFloat16* const*>(tile), count, outs, rows, dim, t0 > 0);
       else
         value_sums(weights, tile, count, outs, rows, dim, t0 > 0);
     };
