@@ -106,18 +106,19 @@ def test_a_prompt_row_gets_the_same_bits_prefilled_decoded_or_after_a_cached_pre
         assert torch.equal(decoded[0], whole[row]), row
 
 
-@pytest.mark.parametrize("cache, group, softcap", [("bfloat16", 3, 0.0), ("float32", 1, 0.0), ("int8", 3, 5.0)])
-def test_a_long_prompts_rows_in_blocks_get_the_bits_of_its_rows_decoded_one_by_one(cache, group, softcap):
+@pytest.mark.parametrize("cache, group, softcap, head_dim", [("bfloat16", 3, 0.0, 64), ("bfloat16", 2, 0.0, 128),
+                                                            ("float32", 1, 0.0, 64), ("int8", 3, 5.0, 64)])
+def test_a_long_prompts_rows_in_blocks_get_the_bits_of_its_rows_decoded_one_by_one(cache, group, softcap, head_dim):
     # a prompt's rows attend a block of rows at a time (cpu_attention_prompt.h): each row's tiles of
     # keys and values are shared with its neighbours, its numbers must stay its own
     gen = torch.Generator().manual_seed(8)
     length = 700
-    k_cache, v_cache, tables = paged_cache(gen, torch.float32, 16, 64, [length])
+    k_cache, v_cache, tables = paged_cache(gen, torch.float32, 16, head_dim, [length])
     if cache == "int8":
         k_cache, v_cache = int8_cache(k_cache), int8_cache(v_cache)
     else:
         k_cache, v_cache = k_cache.to(getattr(torch, cache)), v_cache.to(getattr(torch, cache))
-    q = torch.randn(length, NUM_KV_HEADS * group, 64, generator=gen)
+    q = torch.randn(length, NUM_KV_HEADS * group, head_dim, generator=gen)
     whole = CppAttention.prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0, length], dtype=torch.int32),
                                            torch.tensor([length], dtype=torch.int32), 0.125, 0, softcap)
     for row in (0, 15, 16, 31, 32, 63, 64, 65, 127, 128, 333, 639, 640, 699):

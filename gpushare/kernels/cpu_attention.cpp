@@ -101,6 +101,21 @@ inline float pair_score(const float* q, const c10::BFloat16* k, int64_t dim) {
 // What a tile's missing keys read past a row's last key: zeros.
 const uint16_t kZeroKey[kMaxPairDim] = {};
 
+// How many of `left` rows to take at once, at most `most`: `most` while that leaves none or enough for
+// another call, else about half. A row's sum is one chain of dependent instructions, so a call over
+// one or two rows waits out their latency: 30 rows went as 8 + 8 + 8 + 4 + 1 + 1, now 8 + 8 + 7 + 7.
+inline int64_t rows_at_once(int64_t left, int64_t most) {
+  return left <= most || left >= 2 * most ? std::min(left, most) : (left + 1) / 2;
+}
+
+// f.template operator()<N>() for N = min(n, Most), at least 1: a count known at run time as a template's.
+template <int Most, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Most > 1)
+    if (n < Most) return with_count<Most - 1>(n, f);
+  f.template operator()<Most>();
+}
+
 #if defined(__AVX512F__)
 #include "cpu_attention_512.h"
 #define GPUSHARE_ATTENTION_SIMD 1
@@ -113,10 +128,10 @@ const uint16_t kZeroKey[kMaxPairDim] = {};
 // pair_scores for `count` query rows against one tile, as many at a time as the registers hold.
 inline void pair_scores_of(int64_t count, const float* const* q, const uint16_t* const* bits, const float* tile,
                            int64_t dim, float scale, float* const* out) {
-  int64_t v = 0;
-  for (; v + 8 <= count; v += 8) pair_scores<8>(q + v, bits + v, tile, dim, scale, out + v);
-  for (; v + 4 <= count; v += 4) pair_scores<4>(q + v, bits + v, tile, dim, scale, out + v);
-  for (; v < count; ++v) pair_scores<1>(q + v, bits + v, tile, dim, scale, out + v);
+  for (int64_t v = 0, take = 0; v < count; v += take) {
+    take = rows_at_once(count - v, 8);
+    with_count<8>(take, [&]<int V>() { pair_scores<V>(q + v, bits + v, tile, dim, scale, out + v); });
+  }
 }
 
 // A row's scores as pair_scores left them (times the scale) through the soft cap, in place.
@@ -201,6 +216,18 @@ struct Scratch {
   std::vector<float*> tile_score_rows;
   std::vector<const void*> values;
   std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
+  std::vector<int64_t> lengths;      // a prompt block's vectors' keys
+  std::vector<float*> outputs;       // and their output rows
+  std::vector<uint32_t> value_pairs, weight_pairs;  // a value tile's, packed (cpu_attention_512.h)
+  std::vector<const uint32_t*> weight_pair_rows;
+  // Per KV head, the pair arithmetic's key tiles (pair_tile) and value tiles (interleave_pairs) of the
+  // prompt whose blocks this thread ran last, from token 0: its next block reads them again.
+  struct KeptTiles {
+    int64_t prompt = -1, keys = 0, values = 0;  // tokens kept
+    std::vector<float> key_tiles;
+    std::vector<uint32_t> value_tiles;
+  };
+  std::vector<KeptTiles> kept;
 };
 
 // Where tokens [start, length) of a sequence lie in a cache, for head 0: the element offsets of their
@@ -408,6 +435,8 @@ std::vector<gpushare::attention::Item> work_items(const gpushare::attention::Cal
   by_block = c.window == 0 && c.dim % kLanes == 0 && values_fit(c.dim);
 #endif
   const int64_t heads_per_item = c.batch >= threads ? c.kv_heads : 1;
+  int64_t prompt = -1;
+  bool last_was_block = false;
   for (int64_t b = 0; b < c.batch;) {
     int64_t end = b + 1;
 #if defined(GPUSHARE_ATTENTION_SIMD)
@@ -416,10 +445,13 @@ std::vector<gpushare::attention::Item> work_items(const gpushare::attention::Cal
       while (end < c.batch && end - b < most && continues(c, end - 1)) ++end;
     }
 #endif
-    if (end - b > 1)
-      for (int64_t head = 0; head < c.kv_heads; ++head) blocks.push_back({b, end - b, head, 1});
+    const bool block = end - b > 1;
+    if (block && !(last_was_block && continues(c, b - 1))) ++prompt;
+    if (block)
+      for (int64_t head = 0; head < c.kv_heads; ++head) blocks.push_back({b, end - b, head, 1, prompt});
     else
-      for (int64_t head = 0; head < c.kv_heads; head += heads_per_item) singles.push_back({b, 1, head, heads_per_item});
+      for (int64_t head = 0; head < c.kv_heads; head += heads_per_item) singles.push_back({b, 1, head, heads_per_item, -1});
+    last_was_block = block;
     b = end;
   }
   blocks.insert(blocks.end(), singles.begin(), singles.end());
@@ -475,7 +507,8 @@ void run_items(const Call& c, std::atomic<int64_t>& next) {
       if (item.rows > 1) {
         const int64_t last = b + item.rows - 1;  // the longest row's table holds every key the block reads
         attend_block<T>(qp + offset, op + offset, c.kc, c.vc, c.tp + last * c.width, c.lp + b, item.rows,
-                        c.block_size, item.first_head, c.q_heads, c.group, c.dim, c.scale, c.softcap, scratch);
+                        c.block_size, item.first_head, c.q_heads, c.group, c.dim, c.scale, c.softcap, item.prompt,
+                        scratch);
         return;
       }
 #endif

@@ -239,6 +239,70 @@ inline void pair_sum(const float* const* weights, const c10::BFloat16* const* va
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + c * kLanes, acc[g][c]);
 }
+
+// pair_sum for a prompt block's full value tiles, with its two per-pair preparations done once per
+// tile instead of once per group of rows: the values interleaved (interleave_pairs, shared by every
+// group) and each row's weights packed into their 32-bit pairs (pack_pairs, a load to broadcast). The
+// same vdpbf16ps in the same order, so the same bits. Building a pair's weights in scalar registers
+// and interleaving its values again for each group of six rows took about a third of pair_sum's time.
+#define GPUSHARE_PACKED_PAIRS 1
+
+// n (even) tokens' values, dim = 16 C: for each pair (t, t + 1), C registers as pair_sum interleaves them.
+template <int C>
+inline void interleave_pairs(const c10::BFloat16* const* values, int64_t n, uint32_t* out) {
+  const __m512i interleave = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t t = 0; t < n; t += 2)
+    for (int c = 0; c < C; ++c) {
+      const __m512i first = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[t] + c * kLanes)));
+      const __m512i second = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values[t + 1] + c * kLanes)));
+      _mm512_storeu_si512(out + (t / 2 * C + c) * kLanes, _mm512_permutex2var_epi16(first, interleave, second));
+    }
+}
+
+// Weights w[0, n) (n even, each a bfloat16 already) as pair_sum's pairs: out[i] holds w[2i + 1]'s
+// upper half above w[2i]'s.
+inline void pack_pairs(const float* w, int64_t n, uint32_t* out) {
+  const __m512i uppers = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                          27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  int64_t t = 0;
+  for (; t + 32 <= n; t += 32)
+    _mm512_storeu_si512(out + t / 2, _mm512_permutex2var_epi16(_mm512_loadu_si512(w + t), uppers,
+                                                                _mm512_loadu_si512(w + t + 16)));
+  for (; t < n; t += 2) {
+    uint32_t low, high;
+    std::memcpy(&low, w + t, 4);
+    std::memcpy(&high, w + t + 1, 4);
+    out[t / 2] = (high & 0xFFFF0000u) | (low >> 16);
+  }
+}
+
+template <int C, int G>
+inline void packed_pair_sum(const uint32_t* const* pairs, const uint32_t* values, int64_t count, float* const* out,
+                            bool resume) {
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm512_loadu_ps(out[g] + c * kLanes) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i)
+    for (int g = 0; g < G; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pairs[g][i]));
+      for (int c = 0; c < C; ++c)
+        acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)_mm512_loadu_si512(values + (i * C + c) * kLanes));
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[g] + c * kLanes, acc[g][c]);
+}
+
+// packed_pair_sum for `rows` rows, as many at a time as the registers hold (weighted_sums' counts).
+template <int C>
+inline void packed_pair_sums(const uint32_t* const* pairs, const uint32_t* values, int64_t count, float* const* out,
+                             int64_t rows, bool resume) {
+  constexpr int kMost = C == 4 ? 6 : C == 8 ? 2 : 1;
+  for (int64_t r = 0, take = 0; r < rows; r += take) {
+    take = rows_at_once(rows - r, kMost);
+    with_count<kMost>(take, [&]<int G>() { packed_pair_sum<C, G>(pairs + r, values, count, out + r, resume); });
+  }
+}
 #else
 // The pair value sums without vdpbf16ps: the same float operations, one by one.
 template <int C, int G>

@@ -14,6 +14,7 @@
 constexpr int64_t kValueTile = 64;  // tokens of V a block's rows share while they sit in L1
 constexpr int64_t kBlockScoreFloats = 256 << 10;  // a block's scores, within a core's L2 (1 MiB here)
 constexpr int64_t kMaxBlockRows = 32;
+constexpr int64_t kPairTileFloats = kPairInstruction ? kKeysAtOnce / 2 : kKeysAtOnce;  // pair_tile's, per dim
 
 // How many rows a block of a prompt whose rows attend up to `length` keys holds.
 inline int64_t block_rows(int64_t length, int64_t group) {
@@ -25,7 +26,7 @@ inline int64_t block_rows(int64_t length, int64_t group) {
 template <typename T>
 void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, const int32_t* table,
                   const int32_t* lens, int64_t count, int64_t block_size, int64_t head, int64_t q_heads,
-                  int64_t group, int64_t dim, float scale, float softcap, Scratch& scratch) {
+                  int64_t group, int64_t dim, float scale, float softcap, int64_t prompt, Scratch& scratch) {
   const int64_t longest = lens[count - 1], vectors = count * group;  // query heads handled
   locate(kc, table, 0, longest, block_size, scratch.k_at, scratch.k_scale_at);
   locate(vc, table, 0, longest, block_size, scratch.v_at, scratch.v_scale_at);
@@ -35,8 +36,16 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
   const auto k_scale = [&](int64_t t) { return kc.scale ? kc.scale[scratch.k_scale_at[t] + head * kc.scale_head] : 1.f; };
   const auto v_scale = [&](int64_t t) { return vc.scale ? vc.scale[scratch.v_scale_at[t] + head * vc.scale_head] : 1.f; };
   const auto query = [&](int64_t v) { return q + (v / group) * q_heads * dim + (head * group + v % group) * dim; };
-  const auto output = [&](int64_t v) { return out + (v / group) * q_heads * dim + (head * group + v % group) * dim; };
-  const auto length = [&](int64_t v) { return static_cast<int64_t>(lens[v / group]); };
+  // each vector's length and output row once: a division per vector per tile cost as much as its dots
+  std::vector<int64_t>& lengths = scratch.lengths;
+  std::vector<float*>& outputs = scratch.outputs;
+  lengths.resize(vectors), outputs.resize(vectors);
+  for (int64_t v = 0; v < vectors; ++v) {
+    lengths[v] = lens[v / group];
+    outputs[v] = out + (v / group) * q_heads * dim + (head * group + v % group) * dim;
+  }
+  const auto output = [&](int64_t v) { return outputs[v]; };
+  const auto length = [&](int64_t v) { return lengths[v]; };
   std::vector<float>& scores = scratch.scores;
   scores.resize(vectors * longest);
   const auto capped = [&](float dot, float key_scale) {
@@ -53,7 +62,17 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
   const auto pair_row = [&](int64_t v) { return scratch.queries.data() + v * dim; };
   std::vector<float>& wide = scratch.wide_keys;
   wide.resize(kKeysAtOnce * dim);
+  // the pair arithmetic's tiles this thread made for the prompt's earlier blocks (Scratch::KeptTiles)
+  Scratch::KeptTiles* kept = nullptr;
+  if (pairs) {
+    scratch.kept.resize(std::max<int64_t>(scratch.kept.size(), head + 1));
+    kept = &scratch.kept[head];
+    if (kept->prompt != prompt) *kept = Scratch::KeptTiles{prompt};
+  }
   if (pairs) {  // tiles of kKeysAtOnce keys from token 0, the last one filled up with zero keys
+    const int64_t tile_floats = kPairTileFloats * dim;
+    if (kept->key_tiles.size() < static_cast<size_t>(longest / kKeysAtOnce * tile_floats))
+      kept->key_tiles.resize(longest / kKeysAtOnce * tile_floats);
     const c10::BFloat16* keys[kKeysAtOnce];
     std::vector<float>& dots = scratch.tile_scores;
     std::vector<const float*>& q_rows = scratch.query_rows;
@@ -61,10 +80,15 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     std::vector<float*>& out_rows = scratch.tile_score_rows;
     dots.resize(vectors * kKeysAtOnce), q_rows.resize(vectors), q_bits.resize(vectors), out_rows.resize(vectors);
     for (int64_t t = 0; t < longest; t += kKeysAtOnce) {
-      for (int i = 0; i < kKeysAtOnce; ++i)
-        keys[i] = t + i < longest ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i))
-                                  : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
-      pair_tile(keys, dim, wide.data());
+      const bool full = t + kKeysAtOnce <= longest;
+      float* tile = full ? kept->key_tiles.data() + t / kKeysAtOnce * tile_floats : wide.data();
+      if (!full || t >= kept->keys) {
+        for (int i = 0; i < kKeysAtOnce; ++i)
+          keys[i] = t + i < longest ? reinterpret_cast<const c10::BFloat16*>(k_row(t + i))
+                                    : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
+        pair_tile(keys, dim, tile);
+        if (full) kept->keys = t + kKeysAtOnce;
+      }
       int64_t reading = 0;  // the vectors whose rows reach this tile; a full tile's scores go to their row
       for (int64_t v = 0; v < vectors; ++v)
         if (length(v) > t) {
@@ -73,7 +97,7 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
                                                            : dots.data() + v * kKeysAtOnce;
           ++reading;
         }
-      pair_scores_of(reading, q_rows.data(), q_bits.data(), wide.data(), dim, scale, out_rows.data());
+      pair_scores_of(reading, q_rows.data(), q_bits.data(), tile, dim, scale, out_rows.data());
       for (int64_t v = 0; v < vectors; ++v)
         if (length(v) > t && length(v) < t + kKeysAtOnce)
           std::copy(dots.data() + v * kKeysAtOnce, dots.data() + v * kKeysAtOnce + (length(v) - t),
@@ -133,6 +157,36 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
       else
         value_sums(weights, tile, count, outs, rows, dim, t0 > 0);
     };
+#if defined(GPUSHARE_PACKED_PAIRS)
+    const int64_t chunks = dim / kLanes;
+    if (whole && pairs && (t1 - t0) % 2 == 0 && (chunks == 4 || chunks == 8 || chunks == 16)) {
+      const int64_t count = (t1 - t0) / 2;
+      // a full tile's interleaved values are kept for the prompt's next blocks, a last short one is not
+      const bool keep = t1 - t0 == kValueTile;
+      if (keep && kept->value_tiles.size() < static_cast<size_t>(t1 * dim / 2)) kept->value_tiles.resize(t1 * dim / 2);
+      if (!keep) scratch.value_pairs.resize(count * dim);
+      uint32_t* value_pairs = keep ? kept->value_tiles.data() + t0 * dim / 2 : scratch.value_pairs.data();
+      const bool interleaved = keep && t0 < kept->values;
+      scratch.weight_pairs.resize(whole * count);
+      scratch.weight_pair_rows.resize(whole);
+      for (int64_t r = 0; r < whole; ++r) {
+        pack_pairs(weight_rows[r], t1 - t0, scratch.weight_pairs.data() + r * count);
+        scratch.weight_pair_rows[r] = scratch.weight_pairs.data() + r * count;
+      }
+      const auto* bf16_tile = reinterpret_cast<const c10::BFloat16* const*>(tile);
+      const auto packed = [&]<int C>() {
+        if (!interleaved) interleave_pairs<C>(bf16_tile, t1 - t0, value_pairs);
+        if (keep && !interleaved) kept->values = t1;
+        packed_pair_sums<C>(scratch.weight_pair_rows.data(), value_pairs, count, out_rows.data(), whole, t0 > 0);
+      };
+      if (chunks == 4)
+        packed.template operator()<4>();
+      else if (chunks == 8)
+        packed.template operator()<8>();
+      else
+        packed.template operator()<16>();
+    } else
+#endif
     if (whole) sums_of(weight_rows.data(), t1 - t0, out_rows.data(), whole);
     for (int64_t v = 0; v < vectors; ++v) {
       if (length(v) <= t0 || length(v) >= t1) continue;

@@ -16,6 +16,7 @@ namespace attention {  // decode_attention in the two parts a team of threads sh
 // and KV heads [first_head, first_head + heads).
 struct Item {
   int64_t row, rows, first_head, heads;
+  int64_t prompt;  // blocks (rows > 1): which prompt of the call, its blocks numbered alike
 };
 
 // One call's arguments, checked, and its work items.
