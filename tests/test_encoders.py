@@ -35,7 +35,7 @@ def engine_with(loaded, name="enc", **config):
 def embed(engine: Engine, texts: list[str], name="enc") -> list[list[float]]:
     loaded = engine.encoders[name].loaded
     ids = [loaded.tokenizer.encode_input(t, loaded.config.context_length)[0] for t in texts]
-    return engine.embed(engine.embed_request(name, ids)).result(timeout=120)
+    return engine.embed(engine.embed_request(name, ids)).result(timeout=120).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,14 @@ def test_inputs_are_cut_to_max_seq_length_keeping_the_final_sep(bert):
     with engine_with(bert) as engine:
         (vector,) = embed(engine, [long_text])
     assert cosines([vector], oracle_vectors(bert, [long_text]))[0] > 1 - 1e-5
+
+
+def test_inputs_tokenised_in_batches_are_those_of_one_at_a_time(bert):
+    """The embed API tokenises many texts in batch calls (Tokenizer.encode_inputs, 256 a call): the same
+    ids and uncut lengths as one by one, [CLS] ... [SEP] kept where an input is cut."""
+    tokenizer = load_model_head(str(bert), "float32").tokenizer
+    texts = (TEXTS + [" ".join(["the river runs to the sea"] * 20)]) * 50
+    assert tokenizer.encode_inputs(texts, 32) == [tokenizer.encode_input(t, 32) for t in texts]
 
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
@@ -148,7 +156,9 @@ def test_batches_fit_the_token_budget_first_come_first_served():
 
 def test_beside_generating_streams_a_batch_takes_a_quarter_of_their_step():
     """Sized by time while streams generate: a quarter of 13 ms steps at 0.25 ms per token is 13 tokens."""
-    assert budget_tokens(2048, None, 0.00025) == 2048  # nothing generating: the whole token budget
+    assert budget_tokens(2048, None, 0.00025) == 400  # nothing generating: what fits 0.1 s
+    assert budget_tokens(2048, None, 0.00001) == 2048  # ... at most the step's token budget
+    assert budget_tokens(2048, None, None) == 2048  # not measured yet: the whole token budget
     assert budget_tokens(2048, 0.013, 0.00025) == 13
     assert budget_tokens(2048, 0.013, None) == 64  # not measured yet: a small first batch measures it
     assert budget_tokens(2048, 0.013, 1.0) == 1  # a slow model still moves on, an input a batch

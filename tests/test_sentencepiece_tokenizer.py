@@ -65,6 +65,13 @@ def test_encodes_and_decodes_as_sentencepiece(gemma_like, text):
     assert ours.decode(sp.encode(text)) == sp.decode(sp.encode(text))
 
 
+def test_inputs_tokenised_in_batches_are_those_of_one_at_a_time(gemma_like):
+    """A decoder's inputs to embed, batched (Tokenizer.encode_inputs): BOS first, cut the same way."""
+    tokenizer = tokenizer_from_gguf(gemma_like[1])
+    for limit in (8, 512):
+        assert tokenizer.encode_inputs(SAMPLES, limit) == [tokenizer.encode_input(t, limit) for t in SAMPLES]
+
+
 def test_gemma_turn_end_marker_stops_generation(gemma_like):
     sp, meta = gemma_like
     tokenizer = tokenizer_from_gguf(meta)

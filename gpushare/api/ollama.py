@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text
-from gpushare.api.embeddings import check_serves, embed_texts
+from gpushare.api.embeddings import check_serves, embed_texts, rows_response, vector_json
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.fields import (field, keep_alive_s, message_list, read_json_object, reject_unsupported,
                                  required_string, string_list)
@@ -301,8 +301,10 @@ async def embed(request: web.Request) -> web.Response:
     vectors, t = await embed_texts(request, model, [] if texts == [""] else texts, keep_alive_s(body), truncate,
                                    body.get("dimensions"))
     fields = t.ollama_fields()
-    return web.json_response({"model": model, "embeddings": vectors, "total_duration": fields["total_duration"],
-                              "load_duration": fields["load_duration"], "prompt_eval_count": t.prompt_tokens})
+    return await rows_response(request, {"model": model, "total_duration": fields["total_duration"],
+                                         "load_duration": fields["load_duration"],
+                                         "prompt_eval_count": t.prompt_tokens},
+                               "embeddings", len(vectors), lambda i: vector_json(vectors[i]))
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -313,7 +315,7 @@ async def embeddings(request: web.Request) -> web.Response:
     truncate = field(body, "truncate", "boolean", True)
     vectors, _ = await embed_texts(request, model, [prompt] if prompt else [], keep_alive_s(body), truncate,
                                    body.get("dimensions"))
-    return web.json_response({"embedding": vectors[0] if vectors else []})
+    return web.json_response({"embedding": vectors[0].tolist() if vectors else []})
 
 
 async def load(request: web.Request) -> web.StreamResponse:

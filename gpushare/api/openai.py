@@ -11,9 +11,7 @@ turns it off); a tool call streams as vLLM streams it, its arguments as they are
 
 from __future__ import annotations
 
-import base64
 import json
-import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gpushare.api.context import context, encode_text
-from gpushare.api.embeddings import check_serves, embed_texts
+from gpushare.api.embeddings import check_serves, embed_texts, rows_response, vector_base64, vector_json
 from gpushare.api.errors import bad_request, error_body
 from gpushare.api.fields import (field, message_list, read_json_object, reject_unsupported, required_string,
                                  string_list, text_parts)
@@ -353,12 +351,10 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise bad_request('"input" must be a string, an array of strings, or token ids', param="input")
     vectors, timings = await embed_texts(request, model, inputs, None, truncate, body.get("dimensions"))
 
-    def encode(v: list[float]):
-        return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if encoding == "base64" else v
-
-    data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)]
+    encode = vector_base64 if encoding == "base64" else vector_json
     usage = {"prompt_tokens": timings.prompt_tokens, "total_tokens": timings.prompt_tokens}
-    return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+    return await rows_response(request, {"object": "list", "model": model, "usage": usage}, "data", len(vectors),
+                               lambda i: f'{{"object": "embedding", "index": {i}, "embedding": {encode(vectors[i])}}}')
 
 
 def add_routes(app: web.Application) -> None:

@@ -14,6 +14,7 @@ MAX_PIECE_CHARS = 512
 MAX_RECOVERY_SPLITS = 1 << 22
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
+BATCH_INPUTS = 256  # Tokenizer.encode_inputs' texts a batch call
 
 # Split regexes for llama.cpp's `tokenizer.ggml.pre` names whose merges were learned on them.
 _LLAMA3_SPLIT = (
@@ -58,6 +59,23 @@ class Tokenizer:
         if full > max_tokens:
             encoding.truncate(max(0, max_tokens - extra))
         return self.hf.post_process(encoding).ids, full
+
+    def encode_inputs(self, texts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
+        """encode_input for many texts, ``BATCH_INPUTS`` at a time through the library's batch call, which
+        lets go of Python's lock while it works: tokenising 4,000 inputs one by one held it for ~190 ms,
+        and the supervisor's event loop, which relays every stream's tokens, got it back only each 5 ms."""
+        out = []
+        for start in range(0, len(texts), BATCH_INPUTS):
+            chunk = texts[start:start + BATCH_INPUTS]
+            for text, encoding in zip(chunk, self.hf.encode_batch(chunk, add_special_tokens=self.encoder)):
+                ids = encoding.ids
+                if self.encoder:
+                    out.append((ids, len(ids)) if len(ids) <= max_tokens else self.encode_input(text, max_tokens))
+                    continue
+                if self.add_bos and self.bos_token is not None:
+                    ids = [self.hf.token_to_id(self.bos_token)] + ids
+                out.append((ids[:max_tokens], len(ids)))
+        return out
 
     def encode_pair(self, first: str, second: str, max_tokens: int) -> tuple[list[int], list[int], int]:
         """A (query, document) pair as a cross-encoder reads it: (ids, token type ids, length uncut), the

@@ -12,12 +12,13 @@ preempts for them as a prompt would (KVCacheBusy when even that cannot make room
 cross-encoder's head, or from an LLM reranker's yes/no logits at each prompt's last token.
 """
 
+import array
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from gpushare.protocol.request import KVCacheBusy
+from gpushare.protocol.request import KVCacheBusy, Vectors
 from gpushare.protocol.sampling_params import SamplingParams
 from gpushare.engine.sequence import Sequence
 from gpushare.models.bert import EncoderPass
@@ -45,11 +46,21 @@ class PendingEmbed:
     type_ids: list[list[int]] | None
     task: str  # "embed": one vector per input; "score": one relevance score per input (a cross-encoder)
     future: Future
-    results: list = field(default_factory=list)
+    dimensions: int | None = None  # Matryoshka: vectors cut to this many values
+    results: list = field(default_factory=list)  # a float32 vector (embed) or a float (score) per input run
 
     @property
     def remaining(self) -> int:
         return len(self.inputs) - len(self.results)
+
+    def answer(self) -> Vectors | list[float]:
+        """What the future gets: the vectors in one flat array (Vectors), or the scores."""
+        if self.task == "score":
+            return self.results
+        stacked = torch.stack(self.results).cpu().contiguous()
+        values = array.array("f")
+        values.frombytes(stacked.numpy().tobytes())
+        return Vectors(stacked.shape[1], values)
 
 
 def take_batch(pending: list[PendingEmbed], budget_tokens: int, padded: bool) -> list[tuple[PendingEmbed, int]]:
@@ -115,7 +126,8 @@ def advance_encoder(batch: EncoderBatch, layers: int) -> bool:
         scores = model.relevance(hidden).tolist() if any(o.task == "score" for o in batch.owners) else None
     for row, (item, x) in enumerate(zip(batch.owners, batch.ids)):
         item.results.append(scores[row] if item.task == "score" else pool(hidden[row, :len(x)],
-                                                                           batch.worker.loaded.pooling))
+                                                                           batch.worker.loaded.pooling,
+                                                                           item.dimensions))
     batch.worker.steps += 1
     batch.worker.prompt_tokens += sum(map(len, batch.ids))
     return True
@@ -146,7 +158,8 @@ def run_decoder(scheduler, runner, taken: list[tuple[PendingEmbed, int]]) -> Non
             scores = _yes_scores(runner.loaded, hidden, last_rows, len(held)) if scoring else None
         for i, (seq, item) in enumerate(zip(held, owners)):
             rows = hidden[last_rows[i] - len(seq.prompt_ids) + 1:last_rows[i] + 1]
-            item.results.append(scores[i] if item.task == "score" else pool(rows, runner.loaded.pooling))
+            item.results.append(scores[i] if item.task == "score" else pool(rows, runner.loaded.pooling,
+                                                                             item.dimensions))
     finally:
         for seq in held:
             scheduler.pool.release(seq.block_table, seq.tenant)

@@ -7,7 +7,10 @@ embedded token (4,000 inputs of a 22M-parameter encoder in 2,048-token batches t
 on 2 cores, fifty times a 13 ms decode step). An encoder batch is also split by layers: a turn runs
 as many of its layers as fit, so even one input, whose pass costs about a decode step of a small
 chat model (one MiniLM input: 4.5 ms beside a 4.9 ms SmolLM2 step), adds only part of a pass to a
-stream's gap. With no stream generating, batches fill ``max_num_batched_tokens`` and run whole.
+stream's gap. With no stream generating, a batch takes what fits ``IDLE_BATCH_S`` (at most
+``max_num_batched_tokens``) and runs whole: a chat that arrives meanwhile waits that long at most, not a
+2,048-token pass (~350 ms of all-MiniLM on 2 cores), and no idle batch's layers are left to run in the
+gaps of the stream that chat then starts.
 """
 
 import logging
@@ -26,18 +29,18 @@ log = logging.getLogger(__name__)
 # quarter 1.6-1.9x while batches ran whole (a one-input pass is longer than a quarter step).
 SHARE_OF_STEP = 0.25
 FIRST_BATCH_TOKENS = 64  # beside generation, before a model's cost per token is measured
+IDLE_BATCH_S = 0.1  # a batch with no stream generating: what a request arriving meanwhile may wait
 
 
 def budget_tokens(max_tokens: int, step_s: float | None, per_token_s: float | None, turns: int = 1) -> int:
-    """A batch's token budget: ``max_tokens`` with no stream generating (``step_s`` None), else what fits
-    SHARE_OF_STEP of their latest step, ``turns`` times (an encoder's batch may spread over a turn per
-    layer), at the model's measured cost per token (FIRST_BATCH_TOKENS while unmeasured); at least 1,
-    so the inputs always move on."""
-    if step_s is None:
-        return max_tokens
+    """A batch's token budget, at the model's measured cost per token, at most ``max_tokens``: with no
+    stream generating (``step_s`` None) what fits IDLE_BATCH_S (``max_tokens`` while unmeasured), else
+    what fits SHARE_OF_STEP of their latest step, ``turns`` times (an encoder's batch may spread over a
+    turn per layer; FIRST_BATCH_TOKENS while unmeasured); at least 1, so the inputs always move on."""
     if per_token_s is None:
-        return min(max_tokens, FIRST_BATCH_TOKENS)
-    return max(1, min(max_tokens, int(SHARE_OF_STEP * step_s * turns / per_token_s)))
+        return max_tokens if step_s is None else min(max_tokens, FIRST_BATCH_TOKENS)
+    turn_s = IDLE_BATCH_S if step_s is None else SHARE_OF_STEP * step_s * turns
+    return max(1, min(max_tokens, int(turn_s / per_token_s)))
 
 
 def layers_this_turn(layers: int, tokens: int, step_s: float | None, per_token_s: float | None) -> int:
@@ -52,8 +55,11 @@ def layers_this_turn(layers: int, tokens: int, step_s: float | None, per_token_s
 
 
 def step_seconds(models: dict[str, ResidentModel]) -> float | None:
-    """The latest step of the models with streams generating; None when none is."""
-    return max((m.last_step_s for m in models.values() if m.scheduler.running), default=None)
+    """The latest step of the models with streams generating or waiting to start; None when none has any.
+    Waiting ones count: a chat that arrives while a full batch (sized with no stream) is in flight gets its
+    first token after a slice of that batch, not after the rest of it (~0.7 s of a 2,048-token batch here)."""
+    return max((m.last_step_s for m in models.values() if m.scheduler.running or m.scheduler.waiting),
+               default=None)
 
 
 def batch_tokens(taken: list[tuple[PendingEmbed, int]]) -> int:
@@ -133,7 +139,7 @@ class EmbedQueue:
         for item, _ in taken:
             if item.remaining == 0 and item in self.pending:
                 self.pending.remove(item)
-                settle(item.future, result=item.results)
+                settle(item.future, result=item.answer())
 
     def _fail_batch(self, name: str, taken: list[tuple[PendingEmbed, int]], error: Exception) -> None:
         if not isinstance(error, KVCacheBusy):

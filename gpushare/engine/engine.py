@@ -227,13 +227,14 @@ class Engine:
         self._inbox.put(Cancel(request_id))
 
     def embed(self, request: EmbedRequest) -> Future:
-        """A future of one vector (or, for task "score", one relevance score) per input; fails with
-        KVCacheBusy when the KV a decoder needs is held. Cancelling the future drops its inputs not yet run."""
+        """A future of one vector per input (Vectors; for task "score", a list of one relevance score per
+        input); fails with KVCacheBusy when the KV a decoder needs is held. Cancelling the future drops its
+        inputs not yet run."""
         if request.model not in self.models and request.model not in self.encoders:
             raise KeyError(f"model {request.model!r} is not loaded")
         future: Future = Future()
         self._put_work(EmbedInputs(PendingEmbed(request.request_id, request.model, request.tenant, request.inputs,
-                                                request.type_ids, request.task, future)))
+                                                request.type_ids, request.task, future, request.dimensions)))
         return future
 
     def _put_work(self, item) -> None:
