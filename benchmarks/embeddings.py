@@ -10,6 +10,8 @@ Run it once per server (same GGUF, same machine, same run) and compare `embeddin
 part needs a server that serves a chat model beside the embedding model (gpushare does). The issue's
 goal: the chat stream's ITL p99 with the flood within 1.5x of its ITL p99 alone. The flood is one
 request, as in the issue: give gpushare `limits.max_embed_inputs` (and `max_embed_tokens`) room for it.
+`--through` adds a stream that runs through a whole flood, from its send to its answer's arrival (the
+stream above ends before the flood does): what a user's chat sees while someone embeds 4,000 inputs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,63 @@ async def chat_itl_p99_ms(base_url: str, model: str, output_tokens: int) -> floa
     return percentile(gaps, 99) * 1e3
 
 
+async def stream_gaps(session: aiohttp.ClientSession, base_url: str, model: str, stop: asyncio.Event,
+                      gaps: list[tuple[float, float, bool]]) -> None:
+    """Greedy chat streams of 256 tokens (a chat's length, so its context stays short), one after another
+    until ``stop`` is set: (time, gap in seconds, whether it opens a stream) of each token after the first, a
+    stream's first token counted from the previous stream's last (a stall between two streams is a gap too)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me a very long story."}], "stream": True,
+            "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    last = None
+    while not stop.is_set():
+        async with session.post(base_url.rstrip("/") + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"the chat stream failed: HTTP {resp.status}: {(await resp.text())[:300]}")
+            first = True
+            async for line in resp.content:
+                if stop.is_set():
+                    return
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append((now, now - last, first))
+                last, first = now, False
+
+
+async def itl_through_flood(session: aiohttp.ClientSession, args) -> dict:
+    """Chat streams' gaps for 10 s alone, then while one request of ``args.flood`` inputs is embedded, from
+    its send to its whole answer's arrival (a 4,000-vector answer is ~31 MB of JSON): p50, p99, longest."""
+    gaps: list[tuple[float, float, bool]] = []
+    stop = asyncio.Event()
+    chat = asyncio.ensure_future(stream_gaps(session, args.base_url, args.chat_model, stop, gaps))
+    await asyncio.sleep(10.0)
+    url = args.base_url.rstrip("/") + "/v1/embeddings"
+    start_s = time.perf_counter()
+    async with session.post(url, json={"model": args.model, "input": short_inputs(args.flood, seed=2)}) as resp:
+        body = await resp.read()  # parsed after the streams stop: the client's own parse is not the server's
+    end_s = time.perf_counter()
+    await asyncio.sleep(0.5)
+    stop.set()
+    await chat
+    count = len(json.loads(body).get("data", [])) if resp.status == 200 else 0
+    if count != args.flood:
+        raise RuntimeError(f"the flood failed: HTTP {resp.status}: {body[:300]!r}")
+    alone = [gap for at, gap, _ in gaps if at <= start_s]
+    during = [gap for at, gap, _ in gaps if start_s < at <= end_s + 0.5]
+    opening = [(gap, at <= start_s) for at, gap, first in gaps if first and at <= end_s + 0.5]
+    return {"flood_seconds": end_s - start_s, "gaps_alone": len(alone), "gaps": len(during),
+            # a stream's first token after the previous stream's last (its request's send and prefill)
+            "opening_alone_p50_ms": percentile([g for g, before in opening if before] or [0.0], 50) * 1e3,
+            "opening_during_p50_ms": percentile([g for g, before in opening if not before] or [0.0], 50) * 1e3,
+            "alone_p50_ms": percentile(alone, 50) * 1e3, "alone_p99_ms": percentile(alone, 99) * 1e3,
+            "itl_p50_ms": percentile(during, 50) * 1e3, "itl_p99_ms": percentile(during, 99) * 1e3,
+            "itl_max_ms": max(during) * 1e3,
+            # (ms, seconds after the flood's send, whether the gap opened a stream)
+            "longest": [(round(gap * 1e3, 1), round(at - start_s, 2), first)
+                        for gap, at, first in sorted((g, a, f) for a, g, f in gaps if start_s < a <= end_s + 0.5)[-5:]]}
+
+
 async def run(args) -> dict:
     url = args.base_url.rstrip("/") + "/v1/embeddings"
     texts = short_inputs(args.inputs)
@@ -79,6 +138,8 @@ async def run(args) -> dict:
                                                                         args.output_tokens)
             out["flood_done"] = flood.done()  # false: the whole stream ran beside the flood
             out["flood_seconds"] = await flood
+            if args.through:
+                out["through_flood"] = await itl_through_flood(session, args)
     return out
 
 
@@ -92,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat-model", help="also measure this chat model's ITL alone and beside a flood")
     p.add_argument("--flood", type=int, default=4000, help="inputs of the flood, in one request (default 4000)")
     p.add_argument("--output-tokens", type=int, default=128, help="the chat stream's length (default 128)")
+    p.add_argument("--through", action="store_true",
+                   help="also a chat stream that runs through a whole flood, its answer's arrival included")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     result = asyncio.run(run(args))
