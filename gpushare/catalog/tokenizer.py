@@ -43,9 +43,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token is not None:
-            ids = [self.hf.token_to_id(self.bos_token)] + ids
-        return ids
+        return self._bos_first(ids) if add_special_tokens else ids
+
+    def _bos_first(self, ids: list[int]) -> list[int]:
+        """``ids`` after the BOS token, where the model reads one."""
+        return [self.hf.token_to_id(self.bos_token)] + ids if self.add_bos and self.bos_token is not None else ids
 
     def encode_input(self, text: str, max_tokens: int) -> tuple[list[int], int]:
         """An input as the model reads it, framed by its special tokens (an encoder's [CLS] ... [SEP], a
@@ -72,8 +74,7 @@ class Tokenizer:
                 if self.encoder:
                     out.append((ids, len(ids)) if len(ids) <= max_tokens else self.encode_input(text, max_tokens))
                     continue
-                if self.add_bos and self.bos_token is not None:
-                    ids = [self.hf.token_to_id(self.bos_token)] + ids
+                ids = self._bos_first(ids)
                 out.append((ids[:max_tokens], len(ids)))
         return out
 

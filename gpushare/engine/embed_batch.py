@@ -57,10 +57,8 @@ class PendingEmbed:
         """What the future gets: the vectors in one flat array (Vectors), or the scores."""
         if self.task == "score":
             return self.results
-        stacked = torch.stack(self.results).cpu().contiguous()
-        values = array.array("f")
-        values.frombytes(stacked.numpy().tobytes())
-        return Vectors(stacked.shape[1], values)
+        stacked = torch.stack(self.results).cpu()
+        return Vectors(stacked.shape[1], array.array("f", stacked.numpy().tobytes()))
 
 
 def take_batch(pending: list[PendingEmbed], budget_tokens: int, padded: bool) -> list[tuple[PendingEmbed, int]]:

@@ -56,8 +56,9 @@ def layers_this_turn(layers: int, tokens: int, step_s: float | None, per_token_s
 
 def step_seconds(models: dict[str, ResidentModel]) -> float | None:
     """The latest step of the models with streams generating or waiting to start; None when none has any.
-    Waiting ones count: a chat that arrives while a full batch (sized with no stream) is in flight gets its
-    first token after a slice of that batch, not after the rest of it (~0.7 s of a 2,048-token batch here)."""
+    Waiting ones count: a chat that arrives while an encoder batch is in flight gets its first token after
+    a slice of that batch, not after the rest of it (with IDLE_BATCH_S, a chat's first token during a
+    4,000-input flood came 26 ms after the previous chat's last, p50, against 504 ms before)."""
     return max((m.last_step_s for m in models.values() if m.scheduler.running or m.scheduler.waiting),
                default=None)
 
