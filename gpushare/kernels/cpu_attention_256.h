@@ -123,6 +123,21 @@ inline void value_sums(const float* const* weights, const T* const* values, int6
   }
 }
 
+// value_sums over values already in float32 (a prompt block's value tile, widened once for all the rows
+// that read it): two rows and four registers of columns at once, so each value is loaded once for both
+// rows. The same float operations as value_sums, in the same order; the conversions that value_sums
+// makes per row were as many instructions as its multiplies and adds.
+#define GPUSHARE_WIDE_VALUES 1
+template <bool Pairs>
+inline void wide_value_sums(const float* const* weights, const float* const* values, int64_t n, float* const* out,
+                            int64_t rows, int64_t dim, bool resume) {
+  const int64_t chunks = dim / 8;
+  if (chunks % 4 == 0)
+    slabs<4, Pairs>(weights, values, n, out, rows, chunks, resume);
+  else
+    value_sums<Pairs>(weights, values, n, out, rows, dim, resume);
+}
+
 // ---- the pair arithmetic of bfloat16 caches (cpu_attention.cpp's pair_score), in float operations ----
 
 constexpr bool kPairInstruction = false;

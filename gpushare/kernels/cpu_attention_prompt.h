@@ -79,6 +79,12 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
     std::vector<const uint16_t*>& q_bits = scratch.query_bit_rows;
     std::vector<float*>& out_rows = scratch.tile_score_rows;
     dots.resize(vectors * kKeysAtOnce), q_rows.resize(vectors), q_bits.resize(vectors), out_rows.resize(vectors);
+    // The tiles below `shared` are read whole by every vector (lengths rise with v): one list of rows for
+    // all of them, whose score pointers step a tile at a time. Choosing the rows anew per tile and
+    // vector cost a twentieth of the block's time at 8k tokens.
+    const int64_t shared = length(0) / kKeysAtOnce * kKeysAtOnce;
+    for (int64_t v = 0; v < vectors; ++v)
+      q_rows[v] = pair_row(v), q_bits[v] = scratch.query_bits.data() + v * dim, out_rows[v] = scores.data() + v * longest;
     for (int64_t t = 0; t < longest; t += kKeysAtOnce) {
       const bool full = t + kKeysAtOnce <= longest;
       float* tile = full ? kept->key_tiles.data() + t / kKeysAtOnce * tile_floats : wide.data();
@@ -88,6 +94,11 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
                                     : reinterpret_cast<const c10::BFloat16*>(kZeroKey);
         pair_tile(keys, dim, tile);
         if (full) kept->keys = t + kKeysAtOnce;
+      }
+      if (t < shared) {
+        pair_scores_of(vectors, q_rows.data(), q_bits.data(), tile, dim, scale, out_rows.data());
+        for (int64_t v = 0; v < vectors; ++v) out_rows[v] += kKeysAtOnce;
+        continue;
       }
       int64_t reading = 0;  // the vectors whose rows reach this tile; a full tile's scores go to their row
       for (int64_t v = 0; v < vectors; ++v)
@@ -185,6 +196,26 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
         packed.template operator()<8>();
       else
         packed.template operator()<16>();
+    } else
+#endif
+#if defined(GPUSHARE_WIDE_VALUES)
+    if (whole > 1) {  // the tile's values widened once for all its rows (exactly: the values load8 gives)
+      const int64_t count = t1 - t0;
+      std::vector<const float*>& wide_rows = scratch.wide_value_rows;
+      wide_rows.resize(count);
+      if constexpr (std::is_same_v<T, float>) {
+        std::copy(tile, tile + count, wide_rows.begin());
+      } else {
+        scratch.wide_values.resize(count * dim);
+        for (int64_t i = 0; i < count; ++i) {
+          widen(tile[i], dim, scratch.wide_values.data() + i * dim);
+          wide_rows[i] = scratch.wide_values.data() + i * dim;
+        }
+      }
+      if (pairs)
+        wide_value_sums<true>(weight_rows.data(), wide_rows.data(), count, out_rows.data(), whole, dim, t0 > 0);
+      else
+        wide_value_sums<false>(weight_rows.data(), wide_rows.data(), count, out_rows.data(), whole, dim, t0 > 0);
     } else
 #endif
     if (whole) sums_of(weight_rows.data(), t1 - t0, out_rows.data(), whole);
