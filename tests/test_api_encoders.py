@@ -122,6 +122,10 @@ def test_truncate_cuts_to_the_context_or_refuses(daemon):
         status, body, _ = http("POST", daemon.url + path, {"model": EMBEDDER, key: long_text, "truncate": False})
         message = error_text(body)
         assert status == 400 and f"is {length} tokens, longer than the context of 32 tokens" in message, (path, body)
+    # a request of more inputs than a piece of tokenising (api/embeddings.IDLE_PIECE_INPUTS) names the right one
+    status, body, _ = http("POST", daemon.url + "/api/embed", {"model": EMBEDDER, "input": ["water"] * 40 + [long_text],
+                                                               "truncate": False})
+    assert status == 400 and f"input[40] is {length} tokens" in error_text(body), body
 
 
 def test_rerank_scores_and_order_equal_transformers(daemon):
@@ -142,6 +146,12 @@ def test_rerank_scores_and_order_equal_transformers(daemon):
     status, scored, _ = http("POST", daemon.url + "/v1/score", {"model": RERANKER, "text_1": QUERY,
                                                                 "text_2": DOCUMENTS})
     assert status == 200 and [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-5)
+    many = [DOCUMENTS[i % len(DOCUMENTS)] for i in range(40)]  # tokenised in pieces, in the engine's idle time
+    status, body, _ = http("POST", daemon.url + "/v1/rerank", {"model": RERANKER, "query": QUERY, "documents": many})
+    assert status == 200, body
+    scores = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert sorted(scores) == list(range(40))
+    assert [scores[i] for i in range(40)] == pytest.approx([expected[i % len(DOCUMENTS)] for i in range(40)], abs=1e-5)
 
 
 def test_show_names_the_kind_and_its_capabilities(daemon, ollama_client):

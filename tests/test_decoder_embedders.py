@@ -104,7 +104,7 @@ def test_a_yes_no_llm_reranker_scores_as_its_model_card(tmp_path, engine):
     loaded = load_model(str(path), weights="float32")
     assert loaded.kind == "rerank"
     engine.add_model("rerank", loaded)
-    pairs = [loaded.pair_input(QUERY, d, 256) for d in DOCUMENTS]
+    pairs = loaded.pair_inputs([(QUERY, d) for d in DOCUMENTS], 256)
     assert all(types is None for _, types in pairs)
     scores = engine.embed(EmbedRequest("rerank", [ids for ids, _ in pairs], task="score")).result(timeout=120)
     engine.remove_model("rerank")
@@ -127,7 +127,7 @@ def test_a_gguf_llm_reranker_scores_as_its_model_card(tmp_path, engine, smollm2_
     loaded = load_model(path, weights="float32")
     assert loaded.kind == "rerank"
     engine.add_model("rerank-gguf", loaded)
-    pairs = [loaded.pair_input(QUERY, d, 256) for d in DOCUMENTS]
+    pairs = loaded.pair_inputs([(QUERY, d) for d in DOCUMENTS], 256)
     scores = engine.embed(EmbedRequest("rerank-gguf", [ids for ids, _ in pairs], task="score")).result(timeout=120)
     engine.remove_model("rerank-gguf")
     expected = model_card_scores(folder, QUERY, DOCUMENTS, tokenizer)

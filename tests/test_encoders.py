@@ -92,7 +92,7 @@ def test_cross_encoder_scores_equal_transformers(tmp_path, family):
     assert info["kind"] == "rerank"
     with engine_with(path) as engine:
         tokenizer = engine.encoders["enc"].loaded.tokenizer
-        pairs = [tokenizer.encode_pair(QUERY, d, 128) for d in DOCUMENTS]
+        pairs = tokenizer.encode_pairs([(QUERY, d) for d in DOCUMENTS], 128)
         request = EmbedRequest("enc", [p[0] for p in pairs], type_ids=[p[1] for p in pairs], task="score")
         scores = engine.embed(request).result(timeout=120)
     expected = oracle_scores(path, QUERY, DOCUMENTS)

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
+from gpushare.api.idle_work import in_idle_time
 from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
@@ -24,6 +25,11 @@ from gpushare.api.work import bounded
 from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, Vectors, check_embed, usable_context
 
 PIECE_ROWS = 8  # vectors formatted a piece of a large answer: ~2 ms for 384 values each
+# A request of more inputs than this is tokenised in the engine's idle time (api/idle_work.py), this
+# many at a time (~2 ms of a core for short texts), and by the handler's own thread once it has
+# waited IDLE_PATIENCE_S for it (beside 64 streams 4,000 inputs took ~1 s).
+IDLE_PIECE_INPUTS = 32
+IDLE_PATIENCE_S = 3.0
 SERVES = {"chat": ("chat", "embed"), "embedding": ("embed",), "rerank": ("rerank",)}
 _FOR = {"chat": "chat and completion (and embeddings)", "embedding": "embeddings (/api/embed, /v1/embeddings)",
         "rerank": "reranking (/v1/rerank, /v1/score)"}
@@ -37,10 +43,17 @@ def check_serves(loaded, name: str, task: str) -> None:
         raise bad_request(f'"{name}" is {article} {kind} model: it serves {_FOR[kind]}, not {task}', param="model")
 
 
+def _encoded(items: list, encode) -> list:
+    """``encode(items)``; a large request's in the engine's idle time, in pieces."""
+    if len(items) <= IDLE_PIECE_INPUTS:
+        return encode(items)
+    return in_idle_time(items, encode, IDLE_PIECE_INPUTS, IDLE_PATIENCE_S)
+
+
 def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[int]]:
     """Token ids per input (text framed by the model's special tokens, or ids as given), cut to ``limit``."""
     texts = [item for item in inputs if isinstance(item, str)]
-    encoded = iter(loaded.tokenizer.encode_inputs(texts, limit))
+    encoded = iter(_encoded(texts, lambda piece: loaded.tokenizer.encode_inputs(piece, limit)))
     out = []
     for i, item in enumerate(inputs):
         ids, full = next(encoded) if isinstance(item, str) else (item[:limit], len(item))
@@ -54,12 +67,9 @@ def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[in
 
 
 def _pairs(loaded, pairs: list[tuple[str, str]], limit: int) -> tuple[list[list[int]], list[list[int]] | None]:
-    ids, types = [], []
-    for query, document in pairs:
-        pair_ids, pair_types = loaded.pair_input(query, document, limit)
-        ids.append(pair_ids)
-        types.append(pair_types)
-    return ids, (types if all(t is not None for t in types) else None)
+    encoded = _encoded(pairs, lambda piece: loaded.pair_inputs(piece, limit))
+    types = [pair_types for _, pair_types in encoded]
+    return [ids for ids, _ in encoded], (types if all(t is not None for t in types) else None)
 
 
 def vector_json(vector) -> str:

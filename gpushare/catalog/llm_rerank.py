@@ -25,11 +25,13 @@ def yes_no_ids(tokenizer) -> tuple[int, int]:
     return yes, no
 
 
-def rerank_prompt_ids(tokenizer, query: str, document: str, max_tokens: int,
-                      instruction: str = DEFAULT_INSTRUCTION) -> tuple[list[int], int]:
-    """(the prompt's ids, its length uncut), as the model card builds it: the instruction, query and
-    document tokenised as one text between the fixed prefix and suffix, that text cut at its end to fit."""
+def rerank_prompts(tokenizer, pairs: list[tuple[str, str]], max_tokens: int,
+                   instruction: str = DEFAULT_INSTRUCTION) -> list[list[int]]:
+    """Each (query, document)'s prompt ids as the model card builds it: the instruction, query and
+    document tokenised as one text between the fixed prefix and suffix, that text cut at its end to fit
+    (the texts in the library's batch calls, which let go of Python's lock)."""
     prefix, suffix = tokenizer.encode(_PREFIX), tokenizer.encode(_SUFFIX)
-    content = tokenizer.encode(f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}")
     room = max(0, max_tokens - len(prefix) - len(suffix))
-    return (prefix + content[:room] + suffix)[-max_tokens:], len(prefix) + len(content) + len(suffix)
+    contents = tokenizer.encode_texts([f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+                                       for query, document in pairs])
+    return [(prefix + content[:room] + suffix)[-max_tokens:] for content in contents]

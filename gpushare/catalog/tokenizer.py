@@ -45,6 +45,11 @@ class Tokenizer:
         ids = self.hf.encode(text, add_special_tokens=False).ids
         return self._bos_first(ids) if add_special_tokens else ids
 
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` for many texts, BATCH_INPUTS at a time through the library's batch call."""
+        return [encoding.ids for start in range(0, len(texts), BATCH_INPUTS)
+                for encoding in self.hf.encode_batch(texts[start:start + BATCH_INPUTS], add_special_tokens=False)]
+
     def _bos_first(self, ids: list[int]) -> list[int]:
         """``ids`` after the BOS token, where the model reads one."""
         return [self.hf.token_to_id(self.bos_token)] + ids if self.add_bos and self.bos_token is not None else ids
@@ -78,25 +83,31 @@ class Tokenizer:
                 out.append((ids[:max_tokens], len(ids)))
         return out
 
-    def encode_pair(self, first: str, second: str, max_tokens: int) -> tuple[list[int], list[int], int]:
-        """A (query, document) pair as a cross-encoder reads it: (ids, token type ids, length uncut), the
-        longer of the two cut first when too long (the tokenizers library's longest_first)."""
-        a = self.hf.encode(first, add_special_tokens=False)
-        b = self.hf.encode(second, add_special_tokens=False)
+    def encode_pairs(self, pairs: list[tuple[str, str]], max_tokens: int) -> list[tuple[list[int], list[int], int]]:
+        """(query, document) pairs as a cross-encoder reads them: (ids, token type ids, length uncut) each,
+        the longer of the two cut first when too long (the tokenizers library's longest_first). The texts
+        go through the library's batch call (Python's lock let go), BATCH_INPUTS pairs at a time."""
         extra = self.hf.num_special_tokens_to_add(True)
-        la, lb = len(a.ids), len(b.ids)
-        full = la + lb + extra
-        excess = full - max_tokens
-        if excess > 0:
-            cut = min(excess, max(0, la - lb))
-            la, excess = la - cut, excess - cut
-            cut = min(excess, max(0, lb - la))
-            lb, excess = lb - cut, excess - cut
-            la, lb = max(0, la - excess // 2), max(0, lb - (excess - excess // 2))
-            a.truncate(la)
-            b.truncate(lb)
-        encoding = self.hf.post_process(a, b)
-        return encoding.ids, encoding.type_ids, full
+        out = []
+        for start in range(0, len(pairs), BATCH_INPUTS):
+            chunk = pairs[start:start + BATCH_INPUTS]
+            firsts = self.hf.encode_batch([first for first, _ in chunk], add_special_tokens=False)
+            seconds = self.hf.encode_batch([second for _, second in chunk], add_special_tokens=False)
+            for a, b in zip(firsts, seconds):
+                la, lb = len(a.ids), len(b.ids)
+                full = la + lb + extra
+                excess = full - max_tokens
+                if excess > 0:
+                    cut = min(excess, max(0, la - lb))
+                    la, excess = la - cut, excess - cut
+                    cut = min(excess, max(0, lb - la))
+                    lb, excess = lb - cut, excess - cut
+                    la, lb = max(0, la - excess // 2), max(0, lb - (excess - excess // 2))
+                    a.truncate(la)
+                    b.truncate(lb)
+                encoding = self.hf.post_process(a, b)
+                out.append((encoding.ids, encoding.type_ids, full))
+        return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -269,6 +269,10 @@ def device_back(ctx: ApiContext, name: str) -> None:
 
 def run(settings: Settings) -> int:
     setup_logging("INFO")
+    # The tokenizers library's batch calls run on every core by default; in this process they would take
+    # the cores the engine's workers compute on (a large request's inputs go in their idle time instead:
+    # api/idle_work.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         asyncio.run(serve(settings))
     except OSError as e:  # the port is taken, typically
