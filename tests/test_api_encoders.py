@@ -188,7 +188,8 @@ def test_bad_input_gets_a_clear_4xx(daemon):
              ("/v1/rerank", {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS, "top_n": 0}, "top_n"),
              ("/v1/rerank", {"model": RERANKER, "query": QUERY, "documents": ["d"] * 10_000}, "max_embed_inputs"),
              ("/v1/rerank", {"model": RERANKER, "query": QUERY, "documents": []}, "nothing to rank"),
-             ("/v1/rerank", {"model": RERANKER, "documents": ["d"]}, "query")]
+             ("/v1/rerank", {"model": RERANKER, "documents": ["d"]}, "query"),
+             ("/v1/embeddings", {"model": EMBEDDER, "input": [[101, 10**9, 102]]}, "outside the vocabulary")]
     for path, body, message in cases:
         status, answer, _ = http("POST", url + path, body)
         assert 400 <= status < 500 and message in error_text(answer), (path, status, answer)
