@@ -216,7 +216,6 @@ struct Scratch {
   std::vector<float*> tile_score_rows;
   std::vector<const void*> values;
   std::vector<float> wide_values;  // a prompt block's value tile in float32 (cpu_attention_256.h)
-  std::vector<const float*> wide_value_rows;
   std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
   std::vector<int64_t> lengths;      // a prompt block's vectors' keys
   std::vector<float*> outputs;       // and their output rows

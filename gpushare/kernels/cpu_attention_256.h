@@ -123,19 +123,52 @@ inline void value_sums(const float* const* weights, const T* const* values, int6
   }
 }
 
-// value_sums over values already in float32 (a prompt block's value tile, widened once for all the rows
-// that read it): two rows and four registers of columns at once, so each value is loaded once for both
+// weighted_sum<C, G, Pairs>'s float operations over a contiguous float32 tile of n tokens (row stride
+// `dim`): the pair order walked two tokens at a time (t + 1, then t; an odd last token alone), with no
+// index or pointer to look up per token.
+template <int C, int G, bool Pairs>
+inline void tile_sum(const float* const* weights, const float* values, int64_t n, int64_t dim, float* const* out,
+                     int64_t c0, bool resume) {
+  __m256 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
+  const auto add = [&](int64_t t) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(values + t * dim + (c0 + c) * 8);
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(weights[g][t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w, v[c]));
+    }
+  };
+  int64_t t = 0;
+  if constexpr (Pairs)
+    for (; t + 1 < n; t += 2) add(t + 1), add(t);
+  for (; t < n; ++t) add(t);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[g] + (c0 + c) * 8, acc[g][c]);
+}
+
+// value_sums over a prompt block's value tile widened to float32 once for all its rows (contiguous, row
+// stride `dim`, a multiple of 16): two rows and four registers of columns at once (four rows and two
+// for the last columns of a dim that is not a multiple of 32), so each value is loaded once for both
 // rows. The same float operations as value_sums, in the same order; the conversions that value_sums
 // makes per row were as many instructions as its multiplies and adds.
 #define GPUSHARE_WIDE_VALUES 1
 template <bool Pairs>
-inline void wide_value_sums(const float* const* weights, const float* const* values, int64_t n, float* const* out,
+inline void wide_value_sums(const float* const* weights, const float* values, int64_t n, float* const* out,
                             int64_t rows, int64_t dim, bool resume) {
   const int64_t chunks = dim / 8;
-  if (chunks % 4 == 0)
-    slabs<4, Pairs>(weights, values, n, out, rows, chunks, resume);
-  else
-    value_sums<Pairs>(weights, values, n, out, rows, dim, resume);
+  int64_t c0 = 0;
+  for (; c0 + 4 <= chunks; c0 += 4) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) tile_sum<4, 2, Pairs>(weights + r, values, n, dim, out + r, c0, resume);
+    if (r < rows) tile_sum<4, 1, Pairs>(weights + r, values, n, dim, out + r, c0, resume);
+  }
+  if (c0 < chunks) {  // two registers left
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) tile_sum<2, 4, Pairs>(weights + r, values, n, dim, out + r, c0, resume);
+    for (; r < rows; ++r) tile_sum<2, 1, Pairs>(weights + r, values, n, dim, out + r, c0, resume);
+  }
 }
 
 // ---- the pair arithmetic of bfloat16 caches (cpu_attention.cpp's pair_score), in float operations ----

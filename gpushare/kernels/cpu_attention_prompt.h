@@ -201,21 +201,13 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
 #if defined(GPUSHARE_WIDE_VALUES)
     if (whole > 1) {  // the tile's values widened once for all its rows (exactly: the values load8 gives)
       const int64_t count = t1 - t0;
-      std::vector<const float*>& wide_rows = scratch.wide_value_rows;
-      wide_rows.resize(count);
-      if constexpr (std::is_same_v<T, float>) {
-        std::copy(tile, tile + count, wide_rows.begin());
-      } else {
-        scratch.wide_values.resize(count * dim);
-        for (int64_t i = 0; i < count; ++i) {
-          widen(tile[i], dim, scratch.wide_values.data() + i * dim);
-          wide_rows[i] = scratch.wide_values.data() + i * dim;
-        }
-      }
+      scratch.wide_values.resize(count * dim);
+      float* wide_tile = scratch.wide_values.data();
+      for (int64_t i = 0; i < count; ++i) widen(tile[i], dim, wide_tile + i * dim);
       if (pairs)
-        wide_value_sums<true>(weight_rows.data(), wide_rows.data(), count, out_rows.data(), whole, dim, t0 > 0);
+        wide_value_sums<true>(weight_rows.data(), wide_tile, count, out_rows.data(), whole, dim, t0 > 0);
       else
-        wide_value_sums<false>(weight_rows.data(), wide_rows.data(), count, out_rows.data(), whole, dim, t0 > 0);
+        wide_value_sums<false>(weight_rows.data(), wide_tile, count, out_rows.data(), whole, dim, t0 > 0);
     } else
 #endif
     if (whole) sums_of(weight_rows.data(), t1 - t0, out_rows.data(), whole);
