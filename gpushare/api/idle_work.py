@@ -34,7 +34,7 @@ def _at_idle_priority() -> None:
         log.info("bulk request work runs at the usual priority (no SCHED_IDLE here: %s)", e)
 
 
-_idle_thread = ThreadPoolExecutor(1, thread_name_prefix="gpushare-idle", initializer=_at_idle_priority)
+_idle_executor = ThreadPoolExecutor(1, thread_name_prefix="gpushare-idle", initializer=_at_idle_priority)
 
 
 @dataclass
@@ -60,7 +60,7 @@ def in_idle_time(items: list, encode: Callable[[list], list], piece: int, patien
     """``encode(items[i:i + piece])`` for each piece in turn, concatenated, on the idle thread; what it
     has not done after ``patience_s`` the caller does (a piece both did comes out the same)."""
     pieces = _Pieces(items, encode, piece, [None] * -(-len(items) // piece))
-    done = _idle_thread.submit(pieces.run)
+    done = _idle_executor.submit(pieces.run)
     try:
         done.result(timeout=patience_s)
     except TimeoutError:

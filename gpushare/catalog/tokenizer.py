@@ -14,7 +14,7 @@ MAX_PIECE_CHARS = 512
 MAX_RECOVERY_SPLITS = 1 << 22
 # GGUF token types (llama.cpp): 3 = control (special), 4 = user-defined (added, not special).
 _CONTROL, _USER_DEFINED = 3, 4
-BATCH_INPUTS = 256  # Tokenizer.encode_inputs' texts a batch call
+BATCH_INPUTS = 256  # texts per call of the tokenizers library's batch call (Tokenizer._batched)
 
 # Split regexes for llama.cpp's `tokenizer.ggml.pre` names whose merges were learned on them.
 _LLAMA3_SPLIT = (
@@ -46,9 +46,16 @@ class Tokenizer:
         return self._bos_first(ids) if add_special_tokens else ids
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` for many texts, BATCH_INPUTS at a time through the library's batch call."""
-        return [encoding.ids for start in range(0, len(texts), BATCH_INPUTS)
-                for encoding in self.hf.encode_batch(texts[start:start + BATCH_INPUTS], add_special_tokens=False)]
+        """``encode`` for many texts, through the library's batch call."""
+        return [encoding.ids for encoding in self._batched(texts, add_special_tokens=False)]
+
+    def _batched(self, texts: list[str], add_special_tokens: bool):
+        """Each text's encoding in order, from the library's batch call BATCH_INPUTS texts at a time. The
+        batch call lets go of Python's lock while it works: tokenising 4,000 inputs one by one held it for
+        ~190 ms, and the supervisor's event loop, which relays every stream's tokens, got it back only
+        each 5 ms."""
+        for start in range(0, len(texts), BATCH_INPUTS):
+            yield from self.hf.encode_batch(texts[start:start + BATCH_INPUTS], add_special_tokens=add_special_tokens)
 
     def _bos_first(self, ids: list[int]) -> list[int]:
         """``ids`` after the BOS token, where the model reads one."""
@@ -68,45 +75,39 @@ class Tokenizer:
         return self.hf.post_process(encoding).ids, full
 
     def encode_inputs(self, texts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
-        """encode_input for many texts, ``BATCH_INPUTS`` at a time through the library's batch call, which
-        lets go of Python's lock while it works: tokenising 4,000 inputs one by one held it for ~190 ms,
-        and the supervisor's event loop, which relays every stream's tokens, got it back only each 5 ms."""
+        """encode_input for many texts, through the library's batch call."""
         out = []
-        for start in range(0, len(texts), BATCH_INPUTS):
-            chunk = texts[start:start + BATCH_INPUTS]
-            for text, encoding in zip(chunk, self.hf.encode_batch(chunk, add_special_tokens=self.encoder)):
-                ids = encoding.ids
-                if self.encoder:
-                    out.append((ids, len(ids)) if len(ids) <= max_tokens else self.encode_input(text, max_tokens))
-                    continue
-                ids = self._bos_first(ids)
-                out.append((ids[:max_tokens], len(ids)))
+        for text, encoding in zip(texts, self._batched(texts, add_special_tokens=self.encoder)):
+            ids = encoding.ids
+            if self.encoder:
+                out.append((ids, len(ids)) if len(ids) <= max_tokens else self.encode_input(text, max_tokens))
+                continue
+            ids = self._bos_first(ids)
+            out.append((ids[:max_tokens], len(ids)))
         return out
 
     def encode_pairs(self, pairs: list[tuple[str, str]], max_tokens: int) -> list[tuple[list[int], list[int], int]]:
         """(query, document) pairs as a cross-encoder reads them: (ids, token type ids, length uncut) each,
         the longer of the two cut first when too long (the tokenizers library's longest_first). The texts
-        go through the library's batch call (Python's lock let go), BATCH_INPUTS pairs at a time."""
+        go through the library's batch call."""
         extra = self.hf.num_special_tokens_to_add(True)
+        firsts = self._batched([first for first, _ in pairs], add_special_tokens=False)
+        seconds = self._batched([second for _, second in pairs], add_special_tokens=False)
         out = []
-        for start in range(0, len(pairs), BATCH_INPUTS):
-            chunk = pairs[start:start + BATCH_INPUTS]
-            firsts = self.hf.encode_batch([first for first, _ in chunk], add_special_tokens=False)
-            seconds = self.hf.encode_batch([second for _, second in chunk], add_special_tokens=False)
-            for a, b in zip(firsts, seconds):
-                la, lb = len(a.ids), len(b.ids)
-                full = la + lb + extra
-                excess = full - max_tokens
-                if excess > 0:
-                    cut = min(excess, max(0, la - lb))
-                    la, excess = la - cut, excess - cut
-                    cut = min(excess, max(0, lb - la))
-                    lb, excess = lb - cut, excess - cut
-                    la, lb = max(0, la - excess // 2), max(0, lb - (excess - excess // 2))
-                    a.truncate(la)
-                    b.truncate(lb)
-                encoding = self.hf.post_process(a, b)
-                out.append((encoding.ids, encoding.type_ids, full))
+        for a, b in zip(firsts, seconds):
+            la, lb = len(a.ids), len(b.ids)
+            full = la + lb + extra
+            excess = full - max_tokens
+            if excess > 0:
+                cut = min(excess, max(0, la - lb))
+                la, excess = la - cut, excess - cut
+                cut = min(excess, max(0, lb - la))
+                lb, excess = lb - cut, excess - cut
+                la, lb = max(0, la - excess // 2), max(0, lb - (excess - excess // 2))
+                a.truncate(la)
+                b.truncate(lb)
+            encoding = self.hf.post_process(a, b)
+            out.append((encoding.ids, encoding.type_ids, full))
         return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -65,27 +65,39 @@ inline void dot_keys(const float* q, const T* const* k, int64_t n, float* out) {
   _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values[t] there, for G rows
-// of weights at once: add_scaled's float operations, the G x C sums in registers across all of t.
-// `resume`: the sums go on from those already in out (the same bits as one run).
-// Pairs: the pair arithmetic's order (cpu_attention.cpp's pair_order): token t + 1's product, then t's.
-template <int C, int G, bool Pairs, typename T>
-inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
-                         int64_t c0, bool resume) {
+// out[g][8 c0, 8 (c0 + C)) = the sum over t, in t's order, of weights[g][t] * values_of(t)'s there, for
+// G rows of weights at once: add_scaled's float operations, the G x C sums in registers across all of
+// t. `resume`: the sums go on from those already in out (the same bits as one run). Pairs: the pair
+// arithmetic's order (cpu_attention.cpp's pair_order), walked two tokens at a time: token t + 1's
+// product, then t's (an odd last token alone), with no index to look up per token.
+template <int C, int G, bool Pairs, typename ValuesOf>
+inline void sum_rows(const float* const* weights, ValuesOf values_of, int64_t n, float* const* out, int64_t c0,
+                     bool resume) {
   __m256 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = Pairs ? pair_order(i, n) : i;
+  const auto add = [&](int64_t t) {
+    const auto* row = values_of(t);
     __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load8(values[t] + (c0 + c) * 8);
+    for (int c = 0; c < C; ++c) v[c] = load8(row + (c0 + c) * 8);
     for (int g = 0; g < G; ++g) {
       const __m256 w = _mm256_set1_ps(weights[g][t]);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w, v[c]));
     }
-  }
+  };
+  int64_t t = 0;
+  if constexpr (Pairs)
+    for (; t + 1 < n; t += 2) add(t + 1), add(t);
+  for (; t < n; ++t) add(t);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[g] + (c0 + c) * 8, acc[g][c]);
+}
+
+// sum_rows over one pointer per token (a paged cache's rows).
+template <int C, int G, bool Pairs, typename T>
+inline void weighted_sum(const float* const* weights, const T* const* values, int64_t n, float* const* out,
+                         int64_t c0, bool resume) {
+  sum_rows<C, G, Pairs>(weights, [values](int64_t t) { return values[t]; }, n, out, c0, resume);
 }
 
 // weighted_sum over `chunks` registers of columns, C at a time, for `rows` rows, as many as the
@@ -123,29 +135,11 @@ inline void value_sums(const float* const* weights, const T* const* values, int6
   }
 }
 
-// weighted_sum<C, G, Pairs>'s float operations over a contiguous float32 tile of n tokens (row stride
-// `dim`): the pair order walked two tokens at a time (t + 1, then t; an odd last token alone), with no
-// index or pointer to look up per token.
+// sum_rows over a contiguous float32 tile of n tokens, row stride `dim`.
 template <int C, int G, bool Pairs>
 inline void tile_sum(const float* const* weights, const float* values, int64_t n, int64_t dim, float* const* out,
                      int64_t c0, bool resume) {
-  __m256 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
-  const auto add = [&](int64_t t) {
-    __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm256_loadu_ps(values + t * dim + (c0 + c) * 8);
-    for (int g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(weights[g][t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w, v[c]));
-    }
-  };
-  int64_t t = 0;
-  if constexpr (Pairs)
-    for (; t + 1 < n; t += 2) add(t + 1), add(t);
-  for (; t < n; ++t) add(t);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[g] + (c0 + c) * 8, acc[g][c]);
+  sum_rows<C, G, Pairs>(weights, [values, dim](int64_t t) { return values + t * dim; }, n, out, c0, resume);
 }
 
 // value_sums over a prompt block's value tile widened to float32 once for all its rows (contiguous, row
