@@ -12,6 +12,11 @@ inline __m256 load_group8(const Weights& w, const void* base, int64_t t, int64_t
   return _mm256_loadu_ps(static_cast<const float*>(base) + at);
 }
 
+// x, as far as the compiler knows, changed: integer adds are associative, so GCC rewrote a block's
+// running sums as trees over all its (fully unrolled) products, which it kept on the stack, 64
+// stores and loads a block for four rows; pinned after each step the sums stay in registers.
+inline void pinned(__m256i& x) { asm("" : "+x"(x)); }
+
 inline __m256i broadcast4_256(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, 4);
@@ -46,6 +51,7 @@ inline void int8_block_256(const Activations& a, int64_t row0, const Weights& w,
       for (int h = 0; h < 2; ++h) {
         const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(x, weight[h]));
         dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs, ones));
+        pinned(dot[r][h]);
       }
     }
 #endif
@@ -82,6 +88,7 @@ inline void int4_block_256(const Activations& a, int64_t row0, const Weights& w,
 #else
         dot[r][h] = _mm256_add_epi16(dot[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xlo),
                                                                  _mm256_maddubs_epi16(hi[h], xhi)));
+        pinned(dot[r][h]);
 #endif
       }
     }
