@@ -22,7 +22,7 @@ from daemon_fixture import MODEL, http, serving, wait_for
 from gpushare import SamplingParams
 
 MIB = 1 << 20
-WORK_TIMEOUT_S = 10
+WORK_TIMEOUT_S = 6
 MAX_STALL_S = 0.25
 SLOW = "slow-template"
 # 10^10 loop steps and no output: it would run for hours (Jinja2's sandbox caps one range at 100,000 items).

@@ -1,9 +1,15 @@
-"""The engine with the Triton kernels forced on (under TRITON_INTERPRET=1) matches the torch path."""
+"""The engine with the Triton kernels forced on (under TRITON_INTERPRET=1) matches the torch path.
+
+Slow (~21 s of the interpreter): each Triton kernel meets its torch reference in the default suite
+(test_kernels*.py, test_quant_kernels.py, test_lora_kernels.py); this runs them all through the engine."""
+
+import pytest
 
 from gpushare import SamplingParams
 from test_engine import chat_ids, run_all, small_engine
 
 
+@pytest.mark.slow
 def test_triton_path_gives_the_same_greedy_tokens(llm, monkeypatch):
     prompts = [chat_ids(llm, "Hi!"), chat_ids(llm, "Name a bird.")]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
