@@ -16,6 +16,7 @@ import ollama
 import openai
 import pytest
 from daemon_fixture import MODEL, http, long_stream, serving
+from gpushare.api.embeddings import PIECE_ROWS
 from encoder_models import DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cross_encoder, oracle_scores, \
     oracle_vectors
 
@@ -67,15 +68,17 @@ def test_openai_embeddings_equal_sentence_transformers(daemon, openai_client):
     vectors = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
     assert min(cosines(vectors, oracle_vectors(daemon.models_dir / EMBEDDER, TEXTS))) > 1 - 1e-5
     assert r.usage.prompt_tokens == r.usage.total_tokens > len(TEXTS)
-    raw = openai_client.embeddings.create(model=EMBEDDER, input=TEXTS[0], encoding_format="base64")
-    packed = base64.b64decode(raw.data[0].embedding)  # asked for base64: the client leaves it as sent
-    assert cosines([struct.unpack(f"<{len(packed) // 4}f", packed)], vectors[:1])[0] > 1 - 1e-6
+    raw = openai_client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format="base64")
+    packed = [base64.b64decode(d.embedding) for d in sorted(raw.data, key=lambda d: d.index)]  # left as sent
+    # each float as the shortest decimal of its float32: it reads back as exactly the base64 bits
+    assert np.array_equal(np.array(vectors, dtype=np.float32), np.frombuffer(b"".join(packed), dtype="<f4")
+                          .reshape(len(vectors), -1))
 
 
 def test_an_answer_of_many_vectors_holds_each_in_order(daemon, ollama_client, openai_client):
-    """Past 8 vectors an answer is written in pieces (api/embeddings.rows_response): each vector where
-    its input was, in both dialects and in base64."""
-    texts = [f"{text} (copy {i})" for i, text in enumerate(TEXTS * 5)]
+    """Past PIECE_ROWS vectors an answer is written in pieces (api/embeddings.rows_response): each vector
+    where its input was, in both dialects and in base64."""
+    texts = [f"{TEXTS[i % len(TEXTS)]} (copy {i})" for i in range(2 * PIECE_ROWS + 3)]
     alone = [ollama_client.embed(EMBEDDER, input=text).embeddings[0] for text in (texts[0], texts[17], texts[-1])]
     ours = ollama_client.embed(EMBEDDER, input=texts).embeddings
     assert len(ours) == len(texts) and min(cosines(alone, [ours[0], ours[17], ours[-1]])) > 1 - 1e-6
