@@ -70,7 +70,7 @@ def test_openai_embeddings_equal_sentence_transformers(daemon, openai_client):
     assert r.usage.prompt_tokens == r.usage.total_tokens > len(TEXTS)
     raw = openai_client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format="base64")
     packed = [base64.b64decode(d.embedding) for d in sorted(raw.data, key=lambda d: d.index)]  # left as sent
-    # each float as the shortest decimal of its float32: it reads back as exactly the base64 bits
+    # each float written so that it reads back as exactly its float32: the base64 answer's bits
     assert np.array_equal(np.array(vectors, dtype=np.float32), np.frombuffer(b"".join(packed), dtype="<f4")
                           .reshape(len(vectors), -1))
 
