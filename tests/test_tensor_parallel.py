@@ -109,6 +109,7 @@ def _logprobs(outputs) -> list:
     return [lp for out in outputs for lp in (out.logprobs or [])]
 
 
+@pytest.mark.slow  # ~20 s; test_tensor_parallel_daemon checks a group's answers against the oracle by default
 def test_two_ranks_answer_as_one_device_alone_and_in_a_batch(group, llm):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=5)
     prompts = _prompt_ids(llm)
