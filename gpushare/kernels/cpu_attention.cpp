@@ -18,9 +18,9 @@
 // blocks at any stride; block_tables [R, W] int32 (row r's sequence's table); context_lens [R] int32
 // (row r's position + 1). window > 0 keeps the last `window` keys; softcap > 0 caps scores as tanh(s/c)*c.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_kernels.h"
 #include "cpu_rows.h"

@@ -22,7 +22,9 @@
 // batch 1 the LM head read alone, after the call's team had gone to sleep, took ~1.1 ms of a ~6.7 ms
 // step, against ~0.6 ms back to back.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <omp.h>
@@ -324,8 +326,8 @@ Ran layers_by_kernel(const DecodeArgs& args) {
     const std::vector<at::Tensor> normed_and_sum = gpushare::rms_norm(x, h, norms[2 * i + 1], eps);
     const at::Tensor gate_up = linear(normed_and_sum[0], codes, scales, mins, out_features, lora, i, 2);
     const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
-    const at::Tensor down = linear(at::silu(halves[0]) * halves[1], codes, scales, mins, out_features, lora, i, 3);
-    x = normed_and_sum[1] + down;
+    const at::Tensor down = linear(at::silu(halves[0]).mul(halves[1]), codes, scales, mins, out_features, lora, i, 3);
+    x = normed_and_sum[1].add(down);
     if (pause_after(args, i, layers)) return {x, static_cast<int64_t>(i + 1), at::empty({0}, x.options())};
   }
   const Head head = head_of(args, x.size(0), x.size(1));

@@ -1,7 +1,7 @@
 // The CPU kernels one C++ file calls from another (cpu_decode.cpp runs the others layer after layer).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "cpu_rows.h"
 

@@ -16,7 +16,7 @@
 // y may be a column slice of a wider row-major tensor (the fused qkv or gate_up output): only its
 // last dim need be contiguous, so the caller passes y.narrow(1, start, width) without a copy.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

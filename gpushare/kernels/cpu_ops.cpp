@@ -4,7 +4,8 @@
 // vectorizes for the build's ISA (kernels/cpu_ops.py) without changing an operation (no fused
 // multiply-adds, no reassociation: the same bits on every ISA).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

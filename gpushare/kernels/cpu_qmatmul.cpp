@@ -21,7 +21,8 @@
 //   [N/16][K/32][16], float16 where that holds them exactly (GGUF's Q4_0 and Q4_1 store them so:
 //   0.625 bytes per weight, as the file) or float32; w = scale * code + min.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

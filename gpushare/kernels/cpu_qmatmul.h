@@ -4,7 +4,7 @@
 // A row's numbers are the same whoever runs which part.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

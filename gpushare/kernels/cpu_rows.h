@@ -2,7 +2,7 @@
 // what else a call holds) and a paged KV cache's layout.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
