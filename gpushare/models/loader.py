@@ -36,11 +36,11 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def read_gguf(path: str, progress=None, weights: str = "float32", device: str = "cpu"):
+def read_gguf(path: str, progress=None, weights: str = "float32", device: str = "cpu", header=None):
     """Parse a GGUF into (config, state dict, tokenizer, template, stop ids, info): float32 tensors, or
     for ``weights`` int8/int4/auto the linear weights quantized as they are read; ``info["weights"]``
-    names the format."""
-    meta, tensors = open_gguf(path)
+    names the format. ``header``: open_gguf's (metadata, tensors) of ``path``, where the caller has it."""
+    meta, tensors = header or open_gguf(path)
     config = config_from_gguf(meta)
     weights = resolve_weights(weights, device, matrix_types(tensors))
     state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
@@ -106,12 +106,16 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     measure_again_if_provisional()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model not found: {path}")
-    if _is_encoder(path):
+    # a GGUF's header once: its 49k-token vocabulary alone takes ~0.3 s to read
+    header = None if os.path.isdir(path) else open_gguf(path)
+    if _is_encoder(path, header):
         if tensor_parallel is not None:
             raise ValueError(f"{path}: encoders are not split across devices (tensor parallel)")
         return load_encoder(path, torch_dtype, device, progress, weights)
-    reader = read_hf_dir if os.path.isdir(path) else read_gguf
-    config, state, tokenizer, template, stop, info = reader(path, progress, weights, device)
+    if header is None:
+        config, state, tokenizer, template, stop, info = read_hf_dir(path, progress, weights, device)
+    else:
+        config, state, tokenizer, template, stop, info = read_gguf(path, progress, weights, device, header)
     whole_config = config
     if tensor_parallel is not None:
         rank, world_size = tensor_parallel
@@ -128,14 +132,14 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     return LoadedModel(path, config, model, tokenizer, template, stop, torch_dtype, device, info, info["weights"],
                        kernel=linear_kernels(model), weight_bytes=weight_bytes(model),
                        whole_config=whole_config if tensor_parallel is not None else None,
-                       pooling=pooling_from_dir(path) if os.path.isdir(path) else pooling_from_gguf(open_gguf(path)[0]))
+                       pooling=pooling_from_dir(path) if header is None else pooling_from_gguf(header[0]))
 
 
-def _is_encoder(path: str) -> bool:
-    if os.path.isdir(path):
+def _is_encoder(path: str, header) -> bool:
+    if header is None:
         raw = read_json(path, "config.json")
         return raw is not None and is_encoder_hf(raw)
-    return is_encoder_gguf(open_gguf(path)[0])
+    return is_encoder_gguf(header[0])
 
 
 def linear_kernels(model) -> str:
