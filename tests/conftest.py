@@ -69,3 +69,12 @@ def hf_model(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def oracle_outputs(hf_model, llm):
+    """transformers' greedy answers to test_oracle's prompts, computed once for every module that checks
+    answers against them (each computing took ~15 s)."""
+    from test_oracle import oracle_answers
+
+    return oracle_answers(hf_model, llm)

@@ -81,7 +81,7 @@ class Daemon:
                     return
             except (urllib.error.URLError, ConnectionError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a daemon is ready ~5 s after its start: poll finely (~40 starts a suite)
         self.stop()
         raise RuntimeError(f"gpushare serve did not load {MODEL} within {START_TIMEOUT_S}s:\n{self.log()}")
 

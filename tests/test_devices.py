@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from daemon_fixture import http, serving, wait_for
-from test_oracle import NEW_TOKENS, conversations, oracle_answers
+from test_oracle import NEW_TOKENS, conversations
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
 from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, sysfs_root  # noqa: E402
@@ -24,11 +24,6 @@ A, B, R = "smol-a", "smol-b", "smol-r"
 RESTART_WITHIN_S = 60
 
 needs_two_cpus = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
-
-
-@pytest.fixture(scope="module")
-def oracle_outputs(hf_model, llm):
-    return oracle_answers(hf_model, llm)
 
 
 @pytest.fixture(scope="module")

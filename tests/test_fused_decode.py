@@ -282,12 +282,13 @@ def test_served_answers_are_the_same_with_and_without_it(smollm2_path, monkeypat
 
 
 def test_models_it_does_not_fit_run_layer_by_layer(smollm2_path, tmp_path, monkeypatch, request):
+    # a tiny model: loading SmolLM2 three times took ~15 s
+    tiny = random_llama_folder(smollm2_path, str(tmp_path / "tiny"), hidden=128, inter=256)
     use_cpu_kernel("torch", monkeypatch, request)
-    assert fused_decode.decode_weights(load_model(smollm2_path, weights="int8").model) is None  # torch's kernel
+    assert fused_decode.decode_weights(load_model(tiny, weights="int8").model) is None  # torch's kernel
     use_cpu_kernel("blocks", monkeypatch, request)
-    assert fused_decode.decode_weights(load_model(smollm2_path, weights="float32").model) is None  # dense
-    model = load_model(random_llama_folder(smollm2_path, str(tmp_path / "tiny"), hidden=128, inter=256),
-                       weights="int8").model
+    assert fused_decode.decode_weights(load_model(tiny, weights="float32").model) is None  # dense
+    model = load_model(tiny, weights="int8").model
     model.layers[1].self_attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(256), requires_grad=False)
     assert fused_decode.decode_weights(model) is None  # a bias the C++ call does not add
     model.layers[1].self_attn.qkv_proj.bias = None

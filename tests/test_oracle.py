@@ -1,6 +1,5 @@
 """Our model and engine against transformers, the oracle, on the real SmolLM2 GGUF."""
 
-import pytest
 import torch
 
 from gpushare import SamplingParams
@@ -20,11 +19,6 @@ NEW_TOKENS = 24
 
 def conversations():
     return [[{"role": "user", "content": p}] for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def oracle_outputs(hf_model, llm):
-    return oracle_answers(hf_model, llm)
 
 
 def oracle_answers(hf_model, llm) -> list[list[int]]:

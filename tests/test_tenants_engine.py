@@ -174,13 +174,15 @@ def test_weighted_fair_share_of_computed_tokens(llm):
                                  kv_cache_bytes=200 * per_block))
     engine.add_model("m", llm.model)
     engine.set_tenants([TenantPolicy("light", weight=1), TenantPolicy("heavy", weight=3)])
-    window = []
+    window, closed = [], threading.Event()
 
     def watch(eng):
         sched = eng.models["m"].scheduler
         waiting = {s.tenant for s in sched.waiting}
         if {"light", "heavy"} <= waiting:
             window.append((eng.ledger.computed_tokens.get("light", 0), eng.ledger.computed_tokens.get("heavy", 0)))
+        elif window:
+            closed.set()  # one tenant's queue is empty: what is left is no contest
 
     engine.on_step = watch
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -190,7 +192,7 @@ def test_weighted_fair_share_of_computed_tokens(llm):
             reqs.submit(chat_ids(llm, f"Question {i}: name a city."), params, "light")
             reqs.submit(chat_ids(llm, f"Question {i}: name a river."), params, "heavy")
         engine.start()
-        reqs.wait()
+        assert closed.wait(300), "the two tenants' queues never emptied"
     finally:
         engine.shutdown()
     (light0, heavy0), (light1, heavy1) = window[0], window[-1]

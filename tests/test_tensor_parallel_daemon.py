@@ -15,15 +15,10 @@ import yaml
 
 from daemon_fixture import GPUSHARE, free_port, http, serving, wait_for
 from test_devices import RESTART_WITHIN_S, devices_of, expected_text, needs_two_cpus, open_stream
-from test_oracle import NEW_TOKENS, conversations, oracle_answers
+from test_oracle import NEW_TOKENS, conversations
 
 TP = "smol-tp"
 GROUP = "cpu:0+cpu:1"
-
-
-@pytest.fixture(scope="module")
-def oracle_outputs(hf_model, llm):
-    return oracle_answers(hf_model, llm)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ segment, must equal the thinking and the answer each dialect returns.
 
 import base64
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
@@ -162,14 +163,19 @@ def test_ollama_chat_and_generate_think_low(daemon, oracle, tokenizer):
     assert answer
     options = {"temperature": 0, "num_predict": 1040}
     chat = {"model": MODEL, "messages": MESSAGES, "think": "low", "options": options}
-    status, r, _ = http("POST", daemon.url + "/api/chat", {**chat, "stream": False})
+    # /api/generate renders the prompt as one user message through the same template. The three requests
+    # run at once (one batch: 1,040 steps, not 3,120), each answer still transformers' alone.
+    generate = {"model": MODEL, "prompt": MESSAGES[0]["content"], "think": "low", "options": options, "stream": False}
+    with ThreadPoolExecutor(3) as pool:
+        chat_reply = pool.submit(http, "POST", daemon.url + "/api/chat", {**chat, "stream": False})
+        streamed = pool.submit(_ndjson, daemon, "/api/chat", chat)
+        generated = pool.submit(http, "POST", daemon.url + "/api/generate", generate)
+    status, r, _ = chat_reply.result()
     assert status == 200 and r["message"]["thinking"] == thinking and r["message"]["content"] == answer
-    lines = _ndjson(daemon, "/api/chat", chat)
+    lines = streamed.result()
     assert "".join(line["message"].get("thinking", "") for line in lines) == thinking
     assert "".join(line["message"]["content"] for line in lines) == answer
-    # /api/generate renders the prompt as one user message through the same template.
-    status, r, _ = http("POST", daemon.url + "/api/generate", {"model": MODEL, "prompt": MESSAGES[0]["content"],
-                                                              "think": "low", "options": options, "stream": False})
+    status, r, _ = generated.result()
     assert status == 200 and r["thinking"] == thinking and r["response"] == answer
 
 
