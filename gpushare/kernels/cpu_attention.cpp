@@ -224,9 +224,10 @@ struct Scratch {
   // Per KV head, the pair arithmetic's key tiles (pair_tile) and value tiles (interleave_pairs) of the
   // prompt whose blocks this thread ran last, from token 0: its next block reads them again.
   struct KeptTiles {
-    int64_t prompt = -1, keys = 0, values = 0;  // tokens kept
+    int64_t prompt = -1, keys = 0, values = 0, wide_values = 0;  // tokens kept
     std::vector<float> key_tiles;
     std::vector<uint32_t> value_tiles;
+    std::vector<float> wide_value_tiles;  // the values in float32 (cpu_attention_256.h's wide_value_sums)
   };
   std::vector<KeptTiles> kept;
 };

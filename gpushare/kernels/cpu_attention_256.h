@@ -76,13 +76,16 @@ inline void sum_rows(const float* const* weights, ValuesOf values_of, int64_t n,
   __m256 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = resume ? _mm256_loadu_ps(out[g] + (c0 + c) * 8) : _mm256_setzero_ps();
+  // A register of values at a time, used by every row at once: loading a token's C registers first (GCC
+  // then loaded two tokens' at once for tile_sum<4, 2>) left too few of AVX2's 16 registers for the G x C
+  // sums, and two of them went to the stack, each step waiting on a store and a load.
   const auto add = [&](int64_t t) {
     const auto* row = values_of(t);
-    __m256 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load8(row + (c0 + c) * 8);
-    for (int g = 0; g < G; ++g) {
-      const __m256 w = _mm256_set1_ps(weights[g][t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w, v[c]));
+    __m256 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(weights[g][t]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = load8(row + (c0 + c) * 8);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm256_add_ps(acc[g][c], _mm256_mul_ps(w[g], v));
     }
   };
   int64_t t = 0;
