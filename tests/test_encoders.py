@@ -12,7 +12,8 @@ from encoder_models import (DOCUMENTS, QUERY, TEXTS, bert_embedder, cosines, cro
                             xlm_roberta_embedder)
 
 from gpushare.engine.embed_batch import PendingEmbed, take_batch
-from gpushare.engine.embed_queue import budget_tokens, layers_this_turn
+from gpushare.engine import embed_queue
+from gpushare.engine.embed_queue import FIRST_BATCH_TOKENS, budget_tokens, layers_this_turn
 from gpushare.engine.engine import Engine
 from gpushare.protocol.engine_config import EngineConfig
 from gpushare.protocol.request import EmbedRequest
@@ -200,6 +201,40 @@ def test_an_embedding_flood_never_holds_a_generating_stream_back_more_than_one_b
     batches_between_steps = [b - a for a, b in zip(seen, seen[1:])]
     assert max(batches_between_steps) == 1  # the two ran side by side, and never two batches in a row
     assert encoder.steps >= 4000 * len(ids) // 256  # the inputs shared steps by the token budget, not one each
+
+
+def test_beside_a_stream_batches_are_sized_by_what_batches_beside_streams_cost(bert, llm, monkeypatch):
+    """An idle flood's cost per token (big batches: cheap a token) never sizes a batch beside a stream: the
+    first batch there is FIRST_BATCH_TOKENS, and its measured cost sizes the next ones, kept apart."""
+    budgets = []
+
+    def taking(pending, budget, padded):
+        budgets.append(budget)
+        return take_batch(pending, budget, padded)
+
+    monkeypatch.setattr(embed_queue, "take_batch", taking)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=64 << 20, max_num_batched_tokens=2048))
+    engine.add_model("chat", llm.model)
+    engine.add_model("enc", load_model(str(bert)))
+    engine.start()
+    try:
+        from gpushare import SamplingParams
+
+        ids = engine.encoders["enc"].loaded.tokenizer.encode_input("the cat sat on the river bank", 32)[0]
+        engine.embed(EmbedRequest("enc", [ids] * 1000)).result(timeout=600)  # idle: measures big batches
+        idle_batches = len(budgets)
+        prompt = llm.model.tokenizer.encode("Tell me a long story.", add_special_tokens=True)
+        first_token, done = threading.Event(), threading.Event()
+        engine.submit(engine.request("chat", prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+                      lambda out: (first_token.set(), out.finished and done.set()))
+        assert first_token.wait(120)
+        engine.embed(EmbedRequest("enc", [ids] * 200)).result(timeout=600)
+        assert not done.is_set(), "the stream ended before the flood beside it: make it longer"
+    finally:
+        engine.shutdown()
+    assert budgets[:idle_batches] == [2048] * idle_batches  # idle: whole steps' token budgets
+    assert budgets[idle_batches] == FIRST_BATCH_TOKENS  # beside the stream: not sized by the idle cost
+    assert engine.embeds.seconds_per_token.keys() == {("enc", False), ("enc", True)}  # the two costs, apart
 
 
 def test_a_cancelled_embedding_runs_no_more_batches(bert):

@@ -92,6 +92,7 @@ class EncoderBatch:
     ids: list
     state: EncoderPass
     spent_s: float = 0.0  # its turns' time so far
+    beside_streams: bool = False  # started while streams generated (a small batch, sized by their steps)
 
     @property
     def tokens(self) -> int:

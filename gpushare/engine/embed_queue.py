@@ -69,10 +69,20 @@ def batch_tokens(taken: list[tuple[PendingEmbed, int]]) -> int:
     return sum(len(ids) for item, n in taken for ids in item.inputs[len(item.results):len(item.results) + n])
 
 
+def cost_key(name: str, beside_streams: bool) -> tuple[str, bool]:
+    """Which measured cost per token a batch of model ``name`` is sized by and counted in: those of batches
+    run beside streams apart from idle ones. An idle batch of 2,048 tokens costs far less a token than the
+    few inputs a quarter step holds: sized by the idle cost, the first batch beside a stream took 8-11 ms
+    a layer against 2 ms wanted (a 7.6 ms SmolLM2 step, all-MiniLM), and a stream's gaps grew to 15-20 ms
+    for the six turns of its layers."""
+    return name, beside_streams
+
+
 @dataclass
 class EmbedQueue:
     pending: list[PendingEmbed] = field(default_factory=list)
-    seconds_per_token: dict[str, float] = field(default_factory=dict)  # per model, measured on its batches
+    # per (model, beside streams), measured on its batches (cost_key)
+    seconds_per_token: dict[tuple[str, bool], float] = field(default_factory=dict)
     in_flight: EncoderBatch | None = None  # an encoder batch that has layers left to run
 
     def take(self, item: PendingEmbed, loaded: bool) -> None:
@@ -97,22 +107,24 @@ class EmbedQueue:
             return
         name = self.pending[0].model_name
         encoder, resident = encoders.get(name), models.get(name)
-        per_token_s = self.seconds_per_token.get(name)
+        step_s = step_seconds(models)
+        key = cost_key(name, step_s is not None)
         turns = len(encoder.loaded.model.layers) if encoder is not None else 1
-        budget = budget_tokens(max_tokens, step_seconds(models), per_token_s, turns)
+        budget = budget_tokens(max_tokens, step_s, self.seconds_per_token.get(key), turns)
         taken = take_batch(self.pending, budget, padded=encoder is not None)
         tokens, start_s = batch_tokens(taken), time.perf_counter()  # before results move them on
         try:
             if encoder is not None:
                 self.in_flight = start_encoder(encoder, taken)
                 self.in_flight.spent_s = time.perf_counter() - start_s
+                self.in_flight.beside_streams = step_s is not None
                 self._advance(models)
                 return
             run_decoder(resident.scheduler, resident.runner, taken)
         except Exception as e:  # the batch's requests fail, never the engine
             self._fail_batch(name, taken, e)
             return
-        self.seconds_per_token[name] = (time.perf_counter() - start_s) / tokens
+        self.seconds_per_token[key] = (time.perf_counter() - start_s) / tokens
         self._settle_done(taken)
 
     def _advance(self, models: dict[str, ResidentModel]) -> None:
@@ -121,8 +133,9 @@ class EmbedQueue:
         if all(item.future.done() for item, _ in batch.taken):  # every client left: nothing to finish
             self.in_flight = None
             return
-        layers = layers_this_turn(len(batch.worker.loaded.model.layers), batch.tokens, step_seconds(models),
-                                  self.seconds_per_token.get(name))
+        step_s = step_seconds(models)
+        layers = layers_this_turn(len(batch.worker.loaded.model.layers), batch.tokens, step_s,
+                                  self.seconds_per_token.get(cost_key(name, step_s is not None)))
         start_s = time.perf_counter()
         try:
             done = advance_encoder(batch, layers)
@@ -133,7 +146,7 @@ class EmbedQueue:
         batch.spent_s += time.perf_counter() - start_s
         if done:
             self.in_flight = None
-            self.seconds_per_token[name] = batch.spent_s / batch.tokens
+            self.seconds_per_token[cost_key(name, batch.beside_streams)] = batch.spent_s / batch.tokens
             self._settle_done(batch.taken)
 
     def _settle_done(self, taken: list[tuple[PendingEmbed, int]]) -> None:
