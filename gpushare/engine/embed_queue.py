@@ -69,19 +69,13 @@ def batch_tokens(taken: list[tuple[PendingEmbed, int]]) -> int:
     return sum(len(ids) for item, n in taken for ids in item.inputs[len(item.results):len(item.results) + n])
 
 
-def cost_key(name: str, beside_streams: bool) -> tuple[str, bool]:
-    """Which measured cost per token a batch of model ``name`` is sized by and counted in: those of batches
-    run beside streams apart from idle ones. An idle batch of 2,048 tokens costs far less a token than the
-    few inputs a quarter step holds: sized by the idle cost, the first batch beside a stream took 8-11 ms
-    a layer against 2 ms wanted (a 7.6 ms SmolLM2 step, all-MiniLM), and a stream's gaps grew to 15-20 ms
-    for the six turns of its layers."""
-    return name, beside_streams
-
-
 @dataclass
 class EmbedQueue:
     pending: list[PendingEmbed] = field(default_factory=list)
-    # per (model, beside streams), measured on its batches (cost_key)
+    # Per (model, whether streams generate), measured on its batches: batches beside streams are sized and
+    # counted apart from idle ones. An idle batch of 2,048 tokens costs far less a token than the few inputs
+    # a quarter step holds: sized by the idle cost, the first batch beside a stream took 8-11 ms a layer
+    # against 2 ms wanted (a 7.6 ms SmolLM2 step, all-MiniLM), six turns of 15-20 ms gaps for the stream.
     seconds_per_token: dict[tuple[str, bool], float] = field(default_factory=dict)
     in_flight: EncoderBatch | None = None  # an encoder batch that has layers left to run
 
@@ -108,7 +102,7 @@ class EmbedQueue:
         name = self.pending[0].model_name
         encoder, resident = encoders.get(name), models.get(name)
         step_s = step_seconds(models)
-        key = cost_key(name, step_s is not None)
+        key = (name, step_s is not None)
         turns = len(encoder.loaded.model.layers) if encoder is not None else 1
         budget = budget_tokens(max_tokens, step_s, self.seconds_per_token.get(key), turns)
         taken = take_batch(self.pending, budget, padded=encoder is not None)
@@ -135,7 +129,7 @@ class EmbedQueue:
             return
         step_s = step_seconds(models)
         layers = layers_this_turn(len(batch.worker.loaded.model.layers), batch.tokens, step_s,
-                                  self.seconds_per_token.get(cost_key(name, step_s is not None)))
+                                  self.seconds_per_token.get((name, step_s is not None)))
         start_s = time.perf_counter()
         try:
             done = advance_encoder(batch, layers)
@@ -146,7 +140,7 @@ class EmbedQueue:
         batch.spent_s += time.perf_counter() - start_s
         if done:
             self.in_flight = None
-            self.seconds_per_token[cost_key(name, batch.beside_streams)] = batch.spent_s / batch.tokens
+            self.seconds_per_token[name, batch.beside_streams] = batch.spent_s / batch.tokens
             self._settle_done(batch.taken)
 
     def _settle_done(self, taken: list[tuple[PendingEmbed, int]]) -> None:
