@@ -177,9 +177,17 @@ def test_huge_token_id_prompts_are_refused(daemon, expected):
     assert_exact(daemon, expected)
 
 
-def template_children(daemon) -> list[psutil.Process]:
-    return [p for p in psutil.Process(daemon.proc.pid).children(recursive=True)
-            if "gpushare.catalog.template_child" in " ".join(p.cmdline())]
+def template_children(daemon) -> dict[int, tuple[psutil.Process, float]]:
+    """The daemon's template-rendering children now: pid -> (process, user CPU seconds). A child that ends
+    between the listing and the reads is left out (a CI run failed on one that had: NoSuchProcess)."""
+    found = {}
+    for p in psutil.Process(daemon.proc.pid).children(recursive=True):
+        try:
+            if "gpushare.catalog.template_child" in " ".join(p.cmdline()):
+                found[p.pid] = (p, p.cpu_times().user)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def test_a_template_that_never_ends_stops_at_the_limit_and_when_its_client_leaves(daemon, expected):
@@ -195,12 +203,12 @@ def test_a_template_that_never_ends_stops_at_the_limit_and_when_its_client_leave
         assert time.monotonic() - started < WORK_TIMEOUT_S + 5
     # The client leaves while its template renders: the process rendering it goes at once.
     conn = HTTPConnection("127.0.0.1", int(daemon.host.split(":")[1]), timeout=30)
-    before = {p.pid: p.cpu_times().user for p in template_children(daemon)}
+    before = {pid: user_s for pid, (_, user_s) in template_children(daemon).items()}
     conn.request("POST", "/v1/chat/completions", json.dumps(chat(SLOW)), {"Content-Type": "application/json"})
     sent = time.monotonic()
     # Half a second of CPU past its start (imports take ~0.15 s): it is rendering.
-    burning = wait_for(lambda: [p for p in template_children(daemon)
-                                if p.cpu_times().user - before.get(p.pid, 0) > 0.5], timeout_s=WORK_TIMEOUT_S)
+    burning = wait_for(lambda: [p for pid, (p, user_s) in template_children(daemon).items()
+                                if user_s - before.get(pid, 0) > 0.5], timeout_s=WORK_TIMEOUT_S)
     assert len(burning) == 1, template_children(daemon)
     conn.close()
     left = time.monotonic()
