@@ -1,5 +1,6 @@
 """LLM: the offline Python API, shaped like vLLM's (``LLM(...).generate`` / ``.chat``)."""
 
+import atexit
 import threading
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ class LLM:
                                           prefix_cache="tenant" if enable_prefix_caching else "off"))
         self.engine.add_model(model, self.model)
         self.engine.start()
+        # Stopped before the interpreter finalizes: the engine thread is a daemon, and one that takes the
+        # GIL back during finalization (after an op or a tensor's free let go of it) is ended by
+        # pthread_exit, whose unwinding through torch's C++ aborts the process ("terminate called without
+        # an active exception", exit 134: a script that left while a step ran, or ~half of those whose
+        # last prompt was 1,500 tokens).
+        atexit.register(self.engine.shutdown)
 
     @property
     def tokenizer(self):
@@ -79,6 +86,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        atexit.unregister(self.engine.shutdown)  # nor kept alive until exit by the registration
 
     def _run(self, token_lists: list[list[int]], params, adapter=None) -> list[CompletionOutput]:
         adapters = adapter if isinstance(adapter, list) else [adapter] * len(token_lists)
