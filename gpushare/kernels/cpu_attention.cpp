@@ -209,13 +209,14 @@ inline void add_scaled(float* out, float weight, const T* v, int64_t n) {
 
 // Scratch kept by a thread across its items.
 struct Scratch {
-  std::vector<float> scores, sums, weights, wide_keys, queries, tile_scores;  // queries: rounded rows (pairs)
+  std::vector<float> scores, sums, weights, queries, tile_scores;  // queries: rounded rows (pairs)
+  gpushare::rows::AlignedVector<float> wide_keys;
   std::vector<uint16_t> query_bits;
   std::vector<const float*> query_rows;
   std::vector<const uint16_t*> query_bit_rows;
   std::vector<float*> tile_score_rows;
   std::vector<const void*> values;
-  std::vector<float> wide_values;  // a prompt block's value tile in float32 (cpu_attention_256.h)
+  gpushare::rows::AlignedVector<float> wide_values;  // a prompt block's value tile in float32 (cpu_attention_256.h)
   std::vector<int64_t> k_at, k_scale_at, v_at, v_scale_at;
   std::vector<int64_t> lengths;      // a prompt block's vectors' keys
   std::vector<float*> outputs;       // and their output rows
@@ -225,9 +226,9 @@ struct Scratch {
   // prompt whose blocks this thread ran last, from token 0: its next block reads them again.
   struct KeptTiles {
     int64_t prompt = -1, keys = 0, values = 0, wide_values = 0;  // tokens kept
-    std::vector<float> key_tiles;
+    gpushare::rows::AlignedVector<float> key_tiles;
     std::vector<uint32_t> value_tiles;
-    std::vector<float> wide_value_tiles;  // the values in float32 (cpu_attention_256.h's wide_value_sums)
+    gpushare::rows::AlignedVector<float> wide_value_tiles;  // the values in float32 (cpu_attention_256.h's wide_value_sums)
   };
   std::vector<KeptTiles> kept;
 };
@@ -287,7 +288,7 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
 #if defined(GPUSHARE_ATTENTION_SIMD)
   if (pairs) {  // a tile of kKeysAtOnce keys at a time, the last one filled up with zero keys
     const c10::BFloat16* keys[kKeysAtOnce];
-    std::vector<float>& tile = scratch.wide_keys;
+    auto& tile = scratch.wide_keys;
     tile.resize(kKeysAtOnce * dim);
     std::vector<float>& dots = scratch.tile_scores;
     std::vector<const float*>& q_rows = scratch.query_rows;
@@ -319,7 +320,7 @@ void attend(const float* q, float* out, const Cache& kc, const Cache& vc, const 
     // values load16 gives, so the same bits): converting them per query head cost as much as the dots.
     constexpr bool narrow = !std::is_same_v<T, float>;
     const bool widen_once = narrow && group > 1;
-    std::vector<float>& wide = scratch.wide_keys;
+    auto& wide = scratch.wide_keys;
     const float* wide_keys[kKeysAtOnce];
     if (widen_once) {
       wide.resize(kKeysAtOnce * dim);

@@ -60,7 +60,7 @@ void attend_block(const float* q, float* out, const Cache& kc, const Cache& vc, 
       pair_query(query(v), dim, scratch.queries.data() + v * dim, scratch.query_bits.data() + v * dim);
   }
   const auto pair_row = [&](int64_t v) { return scratch.queries.data() + v * dim; };
-  std::vector<float>& wide = scratch.wide_keys;
+  auto& wide = scratch.wide_keys;
   wide.resize(kKeysAtOnce * dim);
   // the pair arithmetic's tiles this thread made for the prompt's earlier blocks (Scratch::KeptTiles)
   Scratch::KeptTiles* kept = nullptr;
