@@ -56,6 +56,9 @@ class TensorInfo:
         return raw.reshape(rows[:-1] + [-1])
 
 
+_LENGTH = struct.Struct("<Q")  # a string's byte count
+
+
 class _Cursor:
     def __init__(self, buf, max_values: int):
         self.buf, self.pos = buf, 0
@@ -78,6 +81,18 @@ class _Cursor:
         self.pos += length
         return value
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row: string()'s values, in one loop of local names (a tokenizer's
+        ~100,000 tokens and merges took ~0.35 s of each load through string())."""
+        buf, pos, length_at, out = self.buf, self.pos, _LENGTH.unpack_from, []
+        for _ in range(count):
+            (length,) = length_at(buf, pos)
+            pos += 8
+            out.append(str(buf[pos:pos + length], "utf-8", "replace"))
+            pos += length
+        self.pos = pos
+        return out
+
     def value(self, kind: int):
         if kind == _STRING:
             return self.string()
@@ -96,6 +111,8 @@ class _Cursor:
                     items.byteswap()
                 self.pos = end
                 return [bool(x) for x in items] if item_kind == _BOOL else items.tolist()
+            if item_kind == _STRING:
+                return self.strings(count)
             return [self.value(item_kind) for _ in range(count)]
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")
