@@ -82,8 +82,8 @@ class _Cursor:
         return value
 
     def strings(self, count: int) -> list[str]:
-        """``count`` strings in a row: string()'s values, in one loop of local names (a tokenizer's
-        ~100,000 tokens and merges took ~0.35 s of each load through string())."""
+        """``count`` strings in a row: string()'s values, in one loop of local names (SmolLM2's
+        header, ~100,000 tokens and merges, read in 0.08 s against 0.14 s through string())."""
         buf, pos, length_at, out = self.buf, self.pos, _LENGTH.unpack_from, []
         for _ in range(count):
             (length,) = length_at(buf, pos)
