@@ -15,9 +15,9 @@ SCRIPT = textwrap.dedent("""
     from gpushare.protocol.sampling_params import SamplingParams
 
     llm = LLM(sys.argv[1], kv_cache_bytes=256 << 20)
-    prompt = [1000 + i for i in range(4000)]  # two steps of 2,048 prompt tokens: one runs as we leave
+    prompt = [1000 + i for i in range(2000)]  # a prefill step of ~1-2 s, under way as we leave
     threading.Thread(target=llm.generate, args=([prompt], SamplingParams(max_tokens=4)), daemon=True).start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     print("leaving", flush=True)
 """)
 
