@@ -1,5 +1,5 @@
-// cpu_attention.cpp's AVX2 helpers (8 floats a register), included by it inside its anonymous namespace
-// where the build has AVX2 but not AVX-512 (kLanes is cpu_rows.h's): the same functions as
+// cpu_attention.cpp's AVX2 helpers (8 floats a register), included by cpu_attention_rows.h inside its
+// anonymous namespace where the build has AVX2 but not AVX-512 (kLanes is cpu_rows.h's): the same functions as
 // cpu_attention_512.h, each with the portable loop's float operations in its order.
 #pragma once
 

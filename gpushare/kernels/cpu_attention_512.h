@@ -1,5 +1,5 @@
-// cpu_attention.cpp's AVX-512 helpers, included by it inside its anonymous namespace where the build
-// has AVX-512 (kLanes is cpu_rows.h's). Each gives the portable loop's float operations in its order.
+// cpu_attention.cpp's AVX-512 helpers, included by cpu_attention_rows.h inside its anonymous namespace where
+// the build has AVX-512 (kLanes is cpu_rows.h's). Each gives the portable loop's float operations in its order.
 #pragma once
 
 constexpr int kKeysAtOnce = 16;  // dot_keys' keys

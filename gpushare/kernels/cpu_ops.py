@@ -30,8 +30,8 @@ log = logging.getLogger("gpushare.kernels")
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_ops.cpp", "cpu_attention.cpp", "cpu_qmatmul.cpp", "cpu_lora.cpp", "cpu_decode.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_rows.h", "cpu_qmatmul.h", "cpu_qmatmul_256.h",
-                                                       "cpu_team.h", "cpu_attention_256.h", "cpu_attention_512.h",
-                                                       "cpu_attention_prompt.h")]
+                                                       "cpu_team.h", "cpu_attention_rows.h", "cpu_attention_256.h",
+                                                       "cpu_attention_512.h", "cpu_attention_prompt.h")]
 # -ffp-contract=off: no fused multiply-adds the torch path does not make (RoPE stays bit for bit)
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20"]
 BUILD_TIMEOUT_S = 900  # a busy machine: the compile needs ~40 s of CPU, and may get a fraction of a core
