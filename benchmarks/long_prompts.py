@@ -26,7 +26,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_all import (  # noqa: E402
+from systems import (  # noqa: E402
     MODEL_NAME,
     ROOT,
     ServerProcess,

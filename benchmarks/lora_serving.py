@@ -43,7 +43,7 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from latency_stats import RequestTimeline, compute_metrics  # noqa: E402
 from memory import MiB, get_json, resident_bytes  # noqa: E402
-from run_all import (MODEL_NAME, ROOT, ServerProcess, find_gguf, free_port, git_info, machine_info,  # noqa: E402
+from systems import (MODEL_NAME, ROOT, ServerProcess, find_gguf, free_port, git_info, machine_info,  # noqa: E402
                      serving_formats, versions)
 from serve import run_benchmark  # noqa: E402
 

@@ -28,7 +28,7 @@ import urllib.request
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_all import MODEL_NAME, ROOT, ServerProcess, find_gguf, find_llama_server, free_port  # noqa: E402
+from systems import MODEL_NAME, ROOT, ServerProcess, find_gguf, find_llama_server, free_port  # noqa: E402
 from serve import run_benchmark  # noqa: E402
 
 MiB = 1 << 20

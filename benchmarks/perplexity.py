@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_all import ROOT, find_gguf, find_llama_server  # noqa: E402
+from systems import ROOT, find_gguf, find_llama_server  # noqa: E402
 
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "us_founding_texts.txt")
 FORMATS = ["float32", "bfloat16", "int8", "int4"]

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import plots  # noqa: E402
 import run_all  # noqa: E402
 import serve  # noqa: E402
+import systems  # noqa: E402
 from latency_stats import (RequestTimeline, compute_metrics, format_table, itl_s, percentile,  # noqa: E402
                            tpot_s, ttft_s)
 
@@ -122,9 +123,9 @@ def test_unreachable_server_is_a_clear_error(capsys):
 
 
 def test_server_process_waits_for_readiness_and_reports_early_exit(tmp_path):
-    port = run_all.free_port()
+    port = systems.free_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-    server = run_all.ServerProcess("web", argv, f"http://127.0.0.1:{port}/", str(tmp_path / "web.log"), dict(os.environ))
+    server = systems.ServerProcess("web", argv, f"http://127.0.0.1:{port}/", str(tmp_path / "web.log"), dict(os.environ))
     server.start(timeout_s=30)
     try:
         assert server.alive()
@@ -132,7 +133,7 @@ def test_server_process_waits_for_readiness_and_reports_early_exit(tmp_path):
         server.stop()
     assert not server.alive()
     crash = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
-    dead = run_all.ServerProcess("bad", crash, "http://127.0.0.1:1/", str(tmp_path / "bad.log"), dict(os.environ))
+    dead = systems.ServerProcess("bad", crash, "http://127.0.0.1:1/", str(tmp_path / "bad.log"), dict(os.environ))
     with pytest.raises(RuntimeError, match="exited with 3: no model here"):
         dead.start(timeout_s=30)
 
