@@ -1,18 +1,45 @@
-"""A request's bulk work in the engine's idle time (api/idle_work.py): the results of every piece in
-order, computed on a SCHED_IDLE thread, and by the caller itself when that thread gets no time."""
+"""A large request's tokenising in the engine's idle time (api/idle_work.py): the ids the request's own
+thread would make, from a child process at SCHED_IDLE, kept for the next request; the caller's own
+when that child gets no time, fails or has exited."""
 
+import logging
 import os
+import signal
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
+from encoder_models import DOCUMENTS, QUERY, TEXTS, bert_embedder
 
 from gpushare.api.idle_work import in_idle_time
+from gpushare.catalog.model_head import load_model_head
+from gpushare.catalog.tokenise_child import tokenised
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the children from /proc")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_model_head(str(bert_embedder(tmp_path_factory.mktemp("enc") / "bert-mini")), "float32").tokenizer
+
+
+def tokenising_children() -> list[int]:
+    pids = []
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if b"tokenise_child" in Path(f"/proc/{pid}/cmdline").read_bytes() and state != "Z":
+                    pids.append(int(pid))
+            except FileNotFoundError:  # ended meanwhile
+                pass
+    return pids
 
 
 def sched_idle_allowed() -> bool:
-    """Whether a thread here may move itself to SCHED_IDLE (a seccomp profile can refuse it; the
-    daemon then logs that bulk work runs at the usual priority)."""
+    """Whether a thread here may move itself to SCHED_IDLE (a seccomp profile can refuse it)."""
     allowed = []
 
     def probe():
@@ -28,43 +55,60 @@ def sched_idle_allowed() -> bool:
     return allowed[0]
 
 
-def test_pieces_come_back_in_order_from_an_idle_priority_thread():
-    policies, threads = set(), set()
-
-    def encode(piece):
-        policies.add(os.sched_getscheduler(0) if sys.platform == "linux" else None)
-        threads.add(threading.current_thread().name)
-        return [x * x for x in piece]
-
-    items = list(range(100))
-    assert in_idle_time(items, encode, piece=7, patience_s=30) == [x * x for x in items]
-    assert threads and all(name.startswith("gpushare-idle") for name in threads)
-    if sys.platform == "linux" and sched_idle_allowed():
-        assert policies == {os.SCHED_IDLE}
+def flood(n: int) -> list[str]:
+    return [f"{TEXTS[i % len(TEXTS)]} number {i}" for i in range(n)]
 
 
-def test_the_caller_does_the_pieces_a_starved_idle_thread_has_not():
-    release = threading.Event()
-    by_caller = []
+@pytest.mark.parametrize("op, items", [("inputs", flood(300)), ("pairs", [(QUERY, d) for d in DOCUMENTS * 20]),
+                                       ("prompts", [(QUERY, d) for d in DOCUMENTS * 20])])
+def test_a_flood_is_tokenised_by_an_idle_priority_child(tokenizer, op, items, caplog):
+    caplog.set_level(logging.INFO, logger="gpushare.api.idle_work")
+    expected = tokenised(tokenizer, op, items, 16)
+    assert any(len(ids) == 16 for ids, _ in expected)  # some are cut
+    assert in_idle_time(tokenizer, op, items, 16, piece=7, patience_s=30) == expected
+    children = tokenising_children()
+    assert children, "a child that answered is kept for the next request"
+    assert "tokenising child failed" not in caplog.text
+    if sched_idle_allowed():
+        assert {os.sched_getscheduler(pid) for pid in children} == {os.SCHED_IDLE}
 
-    def encode(piece):
-        if threading.current_thread().name.startswith("gpushare-idle"):
-            release.wait(30)  # as a thread that gets no CPU time
-        else:
-            by_caller.append(piece[0])
-        return [str(x) for x in piece]
 
+def test_the_caller_does_what_a_starved_child_has_not(tokenizer):
+    items = flood(200)
+    in_idle_time(tokenizer, "inputs", items[:50], 32, piece=8, patience_s=30)  # a child kept, idle
+    stopped = tokenising_children()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)  # as a process that gets no CPU time
     try:
-        items = list(range(10))
-        assert in_idle_time(items, encode, piece=4, patience_s=0.2) == [str(x) for x in items]
-        assert by_caller == [0, 4, 8]  # the idle thread's piece in flight too
+        started = time.monotonic()
+        assert in_idle_time(tokenizer, "inputs", items, 32, piece=8, patience_s=0.3) == \
+            tokenised(tokenizer, "inputs", items, 32)
+        assert time.monotonic() - started < 10
+        assert set(tokenising_children()) < set(stopped), "the starved child was ended"
     finally:
-        release.set()
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
-def test_an_error_in_a_piece_reaches_the_caller():
-    def encode(piece):
-        raise ValueError(f"bad piece {piece}")
+def test_an_exited_child_is_replaced(tokenizer):
+    items = flood(100)
+    in_idle_time(tokenizer, "inputs", items, 32, piece=16, patience_s=30)
+    for pid in tokenising_children():
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while tokenising_children() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert in_idle_time(tokenizer, "inputs", items, 32, piece=16, patience_s=30) == \
+        tokenised(tokenizer, "inputs", items, 32)
+    assert tokenising_children(), "a new child took the work and was kept"
 
-    with pytest.raises(ValueError, match=r"bad piece \[0, 1\]"):
-        in_idle_time([0, 1, 2], encode, piece=2, patience_s=30)
+
+def test_an_error_in_the_child_reaches_the_caller_as_its_own(tokenizer, caplog):
+    caplog.set_level(logging.INFO, logger="gpushare.api.idle_work")
+    items = flood(40) + [None]  # not a text: the library refuses it, in the child and then in the caller
+    with pytest.raises(TypeError):
+        in_idle_time(tokenizer, "inputs", items, 32, piece=8, patience_s=30)
+    assert "tokenising child failed" in caplog.text

@@ -23,11 +23,12 @@ from gpushare.api.limits import check_count, check_prompt_chars, limits_of
 from gpushare.api.streaming import Timings, engine_failed, lease_limits
 from gpushare.api.tenants import admit, check_keep_alive
 from gpushare.api.work import bounded
+from gpushare.catalog.tokenise_child import tokenised
 from gpushare.protocol.request import EmbedRequest, EngineFailed, KVCacheBusy, Vectors, check_embed, usable_context
 
 PIECE_ROWS = 64  # vectors formatted a piece of a large answer: ~0.4 ms for 384 values each
 # A request of more inputs than this is tokenised in the engine's idle time (api/idle_work.py), this
-# many at a time (~2 ms of a core for short texts), and by the handler's own thread once it has
+# many a piece (~2 ms of a core for short texts), and by the handler's own thread once it has
 # waited IDLE_PATIENCE_S for it (beside 64 streams 4,000 inputs took ~1 s).
 IDLE_PIECE_INPUTS = 32
 IDLE_PATIENCE_S = 3.0
@@ -44,17 +45,17 @@ def check_serves(loaded, name: str, task: str) -> None:
         raise bad_request(f'"{name}" is {article} {kind} model: it serves {_FOR[kind]}, not {task}', param="model")
 
 
-def _encoded(items: list, encode) -> list:
-    """``encode(items)``; a large request's in the engine's idle time, in pieces."""
+def _encoded(loaded, op: str, items: list, limit: int) -> list:
+    """``tokenised(loaded.tokenizer, op, items, limit)``; a large request's in the engine's idle time."""
     if len(items) <= IDLE_PIECE_INPUTS:
-        return encode(items)
-    return in_idle_time(items, encode, IDLE_PIECE_INPUTS, IDLE_PATIENCE_S)
+        return tokenised(loaded.tokenizer, op, items, limit)
+    return in_idle_time(loaded.tokenizer, op, items, limit, IDLE_PIECE_INPUTS, IDLE_PATIENCE_S)
 
 
 def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[int]]:
     """Token ids per input (text framed by the model's special tokens, or ids as given), cut to ``limit``."""
     texts = [item for item in inputs if isinstance(item, str)]
-    encoded = iter(_encoded(texts, lambda piece: loaded.tokenizer.encode_inputs(piece, limit)))
+    encoded = iter(_encoded(loaded, "inputs", texts, limit))
     out = []
     for i, item in enumerate(inputs):
         ids, full = next(encoded) if isinstance(item, str) else (item[:limit], len(item))
@@ -68,7 +69,7 @@ def _tokenised(loaded, inputs: list, limit: int, truncate: bool) -> list[list[in
 
 
 def _pairs(loaded, pairs: list[tuple[str, str]], limit: int) -> tuple[list[list[int]], list[list[int]] | None]:
-    encoded = _encoded(pairs, lambda piece: loaded.pair_inputs(piece, limit))
+    encoded = _encoded(loaded, loaded.pair_op, pairs, limit)
     types = [pair_types for _, pair_types in encoded]
     return [ids for ids, _ in encoded], (types if all(t is not None for t in types) else None)
 

@@ -1,71 +1,116 @@
-"""A request's bulk CPU work done in the time the engine leaves idle: one thread at Linux's SCHED_IDLE.
+"""A large request's tokenising done in the time the engine leaves idle: a child process at Linux's
+SCHED_IDLE policy (gpushare/catalog/tokenise_child.py).
 
 On a node whose cores all run an engine worker's threads, bulk work in the API process (tokenising
 4,000 embedding inputs: ~120 ms of a core) takes cores from the workers' steps, at any pace: steps
 that overlapped it took 2-3x as long, in pieces with three times their length idle between them
-still up to 3x, and a stream's tokens came that much further apart. A SCHED_IDLE thread runs only on
-a core that no other thread wants and never preempts one, so the steps keep their cores and the
-work fills their gaps: 4,000 inputs in ~0.8 s beside one stream, 1-2 s beside 16 or 64.
+still up to 3x, and a stream's tokens came that much further apart. A SCHED_IDLE process runs only
+on a core that no other thread wants and never preempts one, so the steps keep their cores and the
+work fills their gaps: 4,000 inputs in ~0.8 s beside one stream, 1-2 s beside 16 or 64. It is a
+process rather than a thread here because a starved thread that holds Python's lock holds the event
+loop too (the child's docstring).
 
-The work goes in pieces, and the caller waits ``patience_s`` for the idle thread: past it (a machine
-busy with other programs) the caller encodes the pieces still missing itself, at its own priority,
-so a request never waits on idle time that does not come. Without the policy (not Linux) the thread
-runs at the usual priority. The thread is made once and runs only this work: without CAP_SYS_NICE
-a thread cannot leave SCHED_IDLE. What runs here should let go of Python's lock while it works (the
-tokenizers library's batch calls do): a thread that waits for idle time while it holds the lock
-holds up the event loop with it.
+The child answers in pieces, and the caller waits ``patience_s`` for it: past it (a machine busy
+with other programs) the child is killed and the caller tokenises the items still missing itself, at
+its own priority, so a request never waits on idle time that does not come. So does a child that
+fails or exits: the caller's own run then raises what the child met. Children are kept for the next
+request, one per request at once (the work pool bounds how many), each started in ~0.2 s and sent
+each model's tokenizer once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor, TimeoutError
-from dataclasses import dataclass
-from typing import Callable
+import pickle
+import select
+import subprocess
+import sys
+import time
+import weakref
+
+from gpushare.api.child_pool import ChildPool, kill
+from gpushare.catalog.tokenise_child import HEADER_BYTES, framed, tokenised
 
 log = logging.getLogger(__name__)
 
+_children = ChildPool([sys.executable, "-m", "gpushare.catalog.tokenise_child"])
+READ_BYTES = 1 << 20
 
-def _at_idle_priority() -> None:
+_keys = itertools.count()
+_pickled: dict[int, tuple[str, bytes]] = {}  # id(tokenizer) -> (its key, its pickle), while it lives
+
+
+class _Late(Exception):
+    """The child did not answer by the deadline (starved of idle time, or stopped)."""
+
+
+def _tokenizer_message(tokenizer) -> tuple[str, bytes]:
+    """(key, pickle) of a tokenizer, made once while it lives (a big vocabulary's takes tens of ms)."""
+    known = _pickled.get(id(tokenizer))
+    if known is None:
+        known = _pickled[id(tokenizer)] = (str(next(_keys)), pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
+        weakref.finalize(tokenizer, _pickled.pop, id(tokenizer), None)
+    return known
+
+
+def _write(proc: subprocess.Popen, data: bytes, deadline: float) -> None:
+    fd = proc.stdin.fileno()
+    view = memoryview(data)
+    while view:
+        if not select.select([], [fd], [], max(0.0, deadline - time.monotonic()))[1]:
+            raise _Late
+        view = view[os.write(fd, view[:READ_BYTES]):]
+
+
+def _read(proc: subprocess.Popen, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        if not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise _Late
+        chunk = proc.stdout.read(min(n - len(data), READ_BYTES))
+        if not chunk:
+            raise BrokenPipeError("the tokenising child exited")
+        data += chunk
+    return data
+
+
+def _answer(proc: subprocess.Popen, deadline: float):
+    return pickle.loads(_read(proc, int.from_bytes(_read(proc, HEADER_BYTES, deadline), "little"), deadline))
+
+
+def _from_child(proc, tokenizer, job: tuple, results: list, deadline: float) -> None:
+    """Append the child's results for ``job`` to ``results`` piece by piece, sending the tokenizer first
+    if the child has not got it. _Late past the deadline; RuntimeError when the child failed."""
+    _write(proc, framed(job), deadline)
+    answer = _answer(proc, deadline)
+    if answer[0] == "missing":
+        key, blob = _tokenizer_message(tokenizer)
+        _write(proc, framed(("tokenizer", key, blob)) + framed(job), deadline)
+        answer = _answer(proc, deadline)
+    while answer[0] == "piece":
+        results.extend(answer[1])
+        answer = _answer(proc, deadline)
+    if answer[0] == "error":
+        raise RuntimeError(answer[1])
+
+
+def in_idle_time(tokenizer, op: str, items: list, max_tokens: int, piece: int, patience_s: float) -> list:
+    """``tokenised(tokenizer, op, items, max_tokens)``, by a SCHED_IDLE child ``piece`` items at a time;
+    what it has not done after ``patience_s`` the caller does."""
+    deadline = time.monotonic() + patience_s
+    results: list = []
+    proc = _children.take()
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-    except (AttributeError, OSError) as e:
-        log.info("bulk request work runs at the usual priority (no SCHED_IDLE here: %s)", e)
-
-
-_idle_executor = ThreadPoolExecutor(1, thread_name_prefix="gpushare-idle", initializer=_at_idle_priority)
-
-
-@dataclass
-class _Pieces:
-    items: list
-    encode: Callable[[list], list]
-    size: int
-    results: list  # per piece: its encoded items, None until one of the two threads has done it
-    abandoned: bool = False  # the caller took over: the idle thread stops
-
-    def piece(self, k: int) -> list:
-        return self.encode(self.items[k * self.size:(k + 1) * self.size])
-
-    def run(self) -> None:
-        for k in range(len(self.results)):
-            if self.abandoned:
-                return
-            if self.results[k] is None:
-                self.results[k] = self.piece(k)
-
-
-def in_idle_time(items: list, encode: Callable[[list], list], piece: int, patience_s: float) -> list:
-    """``encode(items[i:i + piece])`` for each piece in turn, concatenated, on the idle thread; what it
-    has not done after ``patience_s`` the caller does (a piece both did comes out the same)."""
-    pieces = _Pieces(items, encode, piece, [None] * -(-len(items) // piece))
-    done = _idle_executor.submit(pieces.run)
-    try:
-        done.result(timeout=patience_s)
-    except TimeoutError:
-        pieces.abandoned = True
-        for k, result in enumerate(pieces.results):  # the idle thread's piece in flight too: it may be starved
-            if result is None:
-                pieces.results[k] = pieces.piece(k)
-    return [item for result in pieces.results for item in result]
+        _from_child(proc, tokenizer, ("job", _tokenizer_message(tokenizer)[0], op, items, max_tokens, piece),
+                    results, deadline)
+    except _Late:
+        kill(proc)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        log.info("the tokenising child failed (%s): the request's thread tokenises the rest", e)
+        kill(proc)
+    else:
+        _children.give_back(proc)
+        return results
+    return results + tokenised(tokenizer, op, items[len(results):], max_tokens)

@@ -14,43 +14,25 @@ from __future__ import annotations
 
 import json
 import select
-import subprocess
 import sys
 import threading
 from collections import OrderedDict
 
+from gpushare.api.child_pool import ChildPool, kill
 from gpushare.api.work import WorkBudget, WorkStopped
 from gpushare.catalog.chat_template import TemplateError
 
 POLL_S = 0.05  # how often a waiting render looks whether its client has left
 KILL_GRACE_S = 0.5  # past the deadline, how long the child has to stop itself before it is killed
-CHILD = [sys.executable, "-m", "gpushare.catalog.template_child"]
+_children = ChildPool([sys.executable, "-m", "gpushare.catalog.template_child"])
 
-_idle: list[subprocess.Popen] = []
 _lock = threading.Lock()
 _handles_tools: OrderedDict = OrderedDict()  # template source -> whether it renders `tools`
 
 
-def _child() -> subprocess.Popen:
-    with _lock:
-        while _idle:
-            proc = _idle.pop()
-            if proc.poll() is None:
-                return proc
-    return subprocess.Popen(CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            bufsize=0)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait()
-    proc.stdin.close()
-    proc.stdout.close()
-
-
 def _ask(budget: WorkBudget, request: dict) -> dict:
     """One request to a child; its answer. WorkStopped when the budget ends first (the child is killed)."""
-    proc = _child()
+    proc = _children.take()
     line = json.dumps({**request, "timeout_s": max(0.01, budget.left_s())}).encode() + b"\n"
     try:
         proc.stdin.write(line)
@@ -58,7 +40,7 @@ def _ask(budget: WorkBudget, request: dict) -> dict:
         reply = b""
         while not reply.endswith(b"\n"):
             if budget.cancelled.is_set() or budget.left_s() < -KILL_GRACE_S:
-                _kill(proc)
+                kill(proc)
                 raise WorkStopped("the chat template")
             if select.select([proc.stdout], [], [], POLL_S)[0]:
                 chunk = proc.stdout.read(1 << 20)
@@ -66,10 +48,9 @@ def _ask(budget: WorkBudget, request: dict) -> dict:
                     raise BrokenPipeError("the template child exited")
                 reply += chunk
     except (BrokenPipeError, OSError):
-        _kill(proc)
+        kill(proc)
         raise TemplateError("the chat template failed: its renderer process exited") from None
-    with _lock:
-        _idle.append(proc)
+    _children.give_back(proc)
     answer = json.loads(reply)
     if answer.get("error") == "timeout":
         raise WorkStopped("the chat template")

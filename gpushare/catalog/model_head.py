@@ -14,7 +14,7 @@ from gpushare.catalog.encoder_config import (EncoderConfig, encoder_config_from_
                                              is_encoder_gguf, is_encoder_hf)
 from gpushare.catalog.ggml_types import FILE_TYPE_NAMES
 from gpushare.catalog.gguf_reader import open_gguf
-from gpushare.catalog.llm_rerank import rerank_prompts
+from gpushare.catalog.tokenise_child import tokenised
 from gpushare.catalog.model_config import ModelConfig, config_from_gguf, config_from_hf
 from gpushare.catalog.model_files import read_json, read_text
 from gpushare.catalog.pooling import RANK, Pooling, pooling_from_dir, pooling_from_gguf
@@ -55,12 +55,15 @@ class LoadedModel:
         """What it serves: "chat" (a decoder; it embeds too), "embedding" or "rerank"."""
         return model_kind(self.config, self.pooling)
 
+    @property
+    def pair_op(self) -> str:
+        """How a reranker reads a (query, document) pair (catalog/tokenise_child.tokenised): a
+        cross-encoder's framed pair with its token types, or an LLM reranker's prompt (catalog/llm_rerank.py)."""
+        return "pairs" if getattr(self.config, "is_encoder", False) else "prompts"
+
     def pair_inputs(self, pairs: list[tuple[str, str]], max_tokens: int) -> list[tuple[list[int], list[int] | None]]:
-        """A reranker's input for each (query, document): a cross-encoder's framed pair with its token
-        types, or an LLM reranker's prompt (catalog/llm_rerank.py); cut to ``max_tokens``."""
-        if getattr(self.config, "is_encoder", False):
-            return [(ids, types) for ids, types, _ in self.tokenizer.encode_pairs(pairs, max_tokens)]
-        return [(ids, None) for ids in rerank_prompts(self.tokenizer, pairs, max_tokens)]
+        """A reranker's input for each (query, document), cut to ``max_tokens``."""
+        return tokenised(self.tokenizer, self.pair_op, pairs, max_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         from gpushare.catalog import chat_template  # Jinja2: imported where templates render, not in a worker
