@@ -216,6 +216,22 @@ def markdown_tables(results: dict, ours: str) -> str:
 RESULTS_BEGIN, RESULTS_END = "<!-- results:begin (run_all.py rewrites this section) -->", "<!-- results:end -->"
 
 
+def serving_line(serving: dict | None) -> str:
+    """What gpushare served the figures with (run_all.serving_formats), in one sentence: each model's
+    weight format and kernels, the C++ kernels' ISA and build, the CPU's SIMD flags; a figure
+    without them cannot be compared with another machine's or build's."""
+    if not serving:
+        return "gpushare served with: not recorded."
+    if "error" in serving:
+        return f"gpushare served with: unknown ({serving['error']})."
+    models = ", ".join(f"`{name}` {m.get('weights')} on `{m.get('kernel')}`" for name, m in serving.get("models", {}).items())
+    kernels = serving.get("kernels") or {}
+    env = " ".join(f"{k}={v}" for k, v in (serving.get("env") or {}).items())
+    return (f"gpushare served with: {models or 'no model loaded'}; kernels ISA `{kernels.get('isa')}` "
+            f"(block kernel `{kernels.get('block_kernel')}`, build `{kernels.get('build')}`); CPU flags "
+            f"`{' '.join(serving.get('cpu_flags') or []) or 'none'}`{f'; environment {env}' if env else ''}.")
+
+
 def publish(results: dict, pngs: list[str], root: str, ours: str = "gpushare") -> None:
     """Copy the figures to docs/benchmarks/ and rewrite the results section of docs/benchmarks.md."""
     fig_dir = os.path.join(root, "docs", "benchmarks")
@@ -233,6 +249,7 @@ def publish(results: dict, pngs: list[str], root: str, ours: str = "gpushare") -
     body = [f"Run {results['created']} at commit `{(results['git']['commit'] or 'none')[:12]}`"
             f"{' (dirty tree)' if results['git']['dirty'] else ''}: {m['cpu_model']}, {m['physical_cores']} cores, "
             f"{m['ram_bytes'] / 2**30:.0f} GiB RAM, {s['threads']} threads, model `{s['model']}`.",
+            "", serving_line(s.get("serving")),
             *([f"Skipped: {skipped}."] if skipped else []), "", markdown_tables(results, ours), ""]
     body += [f"![{os.path.basename(p)}](benchmarks/{os.path.basename(p)})" for p in pngs]
     start, end = doc.index(RESULTS_BEGIN) + len(RESULTS_BEGIN), doc.index(RESULTS_END)

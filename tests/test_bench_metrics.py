@@ -196,7 +196,11 @@ def test_publish_rewrites_only_the_results_section(tmp_path):
     r = synthetic_results()
     r.update(ratios=plots.ratios(r, "gpushare"), created="2026-01-01T00:00:00", git={"commit": None, "dirty": True},
              machine={"cpu_model": "CPU X", "physical_cores": 2, "ram_bytes": 8 << 30},
-             settings={"threads": 2, "model": "smollm2:135m"}, systems={"peer": {"skipped": "no peer"}})
+             settings={"threads": 2, "model": "smollm2:135m", "serving": {
+                 "models": {"smollm2:135m": {"weights": "int4", "kernel": "cpu-blocks-avx2"}},
+                 "cpu_flags": ["avx", "avx2", "fma"], "kernels": {"isa": "avx2", "block_kernel": "avx2", "build": "avx2-abc"},
+                 "env": {"GPUSHARE_CPU_ISA": "avx2"}}},
+             systems={"peer": {"skipped": "no peer"}})
     png = plots.plot_throughput_vs_concurrency(r["concurrency_sweep"], str(tmp_path / "throughput_vs_concurrency.png"))
     plots.publish(r, [png], str(tmp_path))
     text = doc.read_text()
@@ -204,4 +208,6 @@ def test_publish_rewrites_only_the_results_section(tmp_path):
     assert "| concurrency | gpushare | llama.cpp | transformers |" in text and "CPU X" in text
     assert "![throughput_vs_concurrency.png](benchmarks/throughput_vs_concurrency.png)" in text
     assert "peer: no peer" in text
+    assert ("gpushare served with: `smollm2:135m` int4 on `cpu-blocks-avx2`; kernels ISA `avx2` (block kernel `avx2`, "
+            "build `avx2-abc`); CPU flags `avx avx2 fma`; environment GPUSHARE_CPU_ISA=avx2.") in text
     assert (tmp_path / "docs" / "benchmarks" / "throughput_vs_concurrency.png").stat().st_size > 0
