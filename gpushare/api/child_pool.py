@@ -14,10 +14,11 @@ class ChildPool:
     idle: list[subprocess.Popen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self) -> subprocess.Popen:
-        """An idle child that is still alive, or a new one (pipes on stdin and stdout, unbuffered)."""
+    def take(self, fresh: bool = False) -> subprocess.Popen:
+        """An idle child that is still alive, or a new one (pipes on stdin and stdout, unbuffered);
+        ``fresh``: a new one."""
         with self.lock:
-            while self.idle:
+            while self.idle and not fresh:
                 proc = self.idle.pop()
                 if proc.poll() is None:
                     return proc

@@ -98,19 +98,27 @@ def _from_child(proc, tokenizer, job: tuple, results: list, deadline: float) -> 
 
 def in_idle_time(tokenizer, op: str, items: list, max_tokens: int, piece: int, patience_s: float) -> list:
     """``tokenised(tokenizer, op, items, max_tokens)``, by a SCHED_IDLE child ``piece`` items at a time;
-    what it has not done after ``patience_s`` the caller does."""
+    what it has not done after ``patience_s`` the caller does. A kept child that turns out to have
+    exited (killed while idle; an exit not yet reaped looks alive) is replaced by a new one once."""
     deadline = time.monotonic() + patience_s
+    job = ("job", _tokenizer_message(tokenizer)[0], op, items, max_tokens, piece)
     results: list = []
-    proc = _children.take()
-    try:
-        _from_child(proc, tokenizer, ("job", _tokenizer_message(tokenizer)[0], op, items, max_tokens, piece),
-                    results, deadline)
-    except _Late:
-        kill(proc)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as e:
-        log.info("the tokenising child failed (%s): the request's thread tokenises the rest", e)
-        kill(proc)
-    else:
-        _children.give_back(proc)
-        return results
+    for fresh in (False, True):
+        proc = _children.take(fresh)
+        try:
+            _from_child(proc, tokenizer, job, results, deadline)
+        except _Late:
+            kill(proc)
+        except OSError as e:
+            kill(proc)
+            if not fresh and not results:
+                continue
+            log.info("the tokenising child failed (%s): the request's thread tokenises the rest", e)
+        except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+            log.info("the tokenising child failed (%s): the request's thread tokenises the rest", e)
+            kill(proc)
+        else:
+            _children.give_back(proc)
+            return results
+        break
     return results + tokenised(tokenizer, op, items[len(results):], max_tokens)
