@@ -25,7 +25,7 @@ from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import context_room
 from gpushare.api.ollama import FOREVER_S, rfc3339
 from gpushare.api.tenant_views import own_view, tenant_rows, tenant_share
-from gpushare.api.tenants import check_admin, check_model, is_admin, visible
+from gpushare.api.tenants import admit, check_admin, check_model, is_admin, visible
 from gpushare.api.thinking import template_thinks
 from gpushare.catalog.model_catalog import catalog_problems
 from gpushare.catalog.blob_store import StoreError, blob_path
@@ -55,7 +55,11 @@ async def show(request: web.Request) -> web.Response:
     if not name:
         raise bad_request('"model" is required', param="model")
     verbose = field(body, "verbose", "boolean", False)
-    check_model(request, name)
+    async with admit(request, name):  # it reads the model's files: a tenant's flood of it is held to its limits
+        return web.json_response(await _shown(request, name, verbose))
+
+
+async def _shown(request: web.Request, name: str, verbose: bool) -> dict:
     registry = context(request).registry
     source = registry.find(name)
     desc = await registry.describe(source.name)
@@ -86,7 +90,7 @@ async def show(request: web.Request) -> web.Response:
         answer["messages"] = preset.messages
     if verbose:
         answer["tensors"] = tensors
-    return web.json_response(answer)
+    return answer
 
 
 def _preset_from_body(body: dict) -> ModelPreset:

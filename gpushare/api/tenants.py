@@ -6,7 +6,8 @@ KEY` or `x-api-key: KEY`), compared as SHA-256 digests with hmac.compare_digest,
 A tenant sees and uses only the models its allow-list names, sees only its own /api/ps row
 (an `admin` tenant sees every row), and only an admin may create, delete or unload models or
 read /metrics (it names every tenant).
-Admission, in this order, answers at once:
+Admission (generations, embeddings, scores, loads, and what tokenises or reads a model's files without
+generating: count_tokens, /api/show), in this order, answers at once:
 
 - 403 for a model outside the tenant's `models` allow-list (names or fnmatch patterns);
 - 429 over `requests_per_s` (a token bucket holding one second's worth, at least one);
@@ -53,6 +54,9 @@ GATEWAY_METRICS_PATH = "/metrics/gateway"  # keyless with server.open_gateway_me
 INFERENCE_PATHS = frozenset({"/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/load",
                              "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank",
                              "/v1/score", "/v1/messages", "/v1/responses"})
+# Admitted as a generation is (allow-list, requests_per_s, max_concurrent): the inference paths and those
+# that tokenise or read model files for a tenant without generating.
+ADMITTED_PATHS = INFERENCE_PATHS | {"/v1/messages/count_tokens", "/api/show"}
 TENANT = web.RequestKey("gpushare.tenant", object)  # the request's TenantState
 
 
@@ -284,7 +288,7 @@ async def tenant_middleware(request: web.Request, handler):
     """Identify the tenant of every request but the open paths (401 when it cannot be)."""
     if request.path not in OPEN_PATHS and not _open_gateway_metrics(request):
         state = request[TENANT] = gate_of(request).identify(presented_key(request))
-        if request.method == "POST" and request.path in INFERENCE_PATHS:
+        if request.method == "POST" and request.path in ADMITTED_PATHS:
             # Refused before its body is read: a tenant's flood of 429s costs no body read or JSON
             # parse, work that competes with the engine for the GIL (acquire() checks again).
             refused = state.refusal()

@@ -17,7 +17,7 @@ from gpushare.api.context import context
 from gpushare.api.embeddings import check_serves
 from gpushare.api.model_defaults import chat_with_presets, fill_openai_values
 from gpushare.api.streaming import EngineStream, Timings, checked_request, make_sampling_params
-from gpushare.api.tenants import admit, check_model
+from gpushare.api.tenants import admit
 from gpushare.api.tool_stream import CallStream
 from gpushare.api.tools import ReplyFilter, ToolSpec, encode_chat_with_tools, forced_output, parse_calls
 from gpushare.api.work import WorkBudget, bounded, budget_of
@@ -52,9 +52,10 @@ def _prompt(loaded, preset, turn: Turn, thinking: think.Thinking, budget: WorkBu
 
 
 async def count_prompt(request: web.Request, turn: Turn) -> int:
-    """The prompt's token count, as the turn would be run."""
-    check_model(request, turn.model)
-    async with context(request).registry.use(turn.model, None) as lease:
+    """The prompt's token count, as the turn would be run. It is admitted as a generation is (the allow-list,
+    requests_per_s, a max_concurrent slot): it renders, tokenises and may load the model. It generates
+    nothing, so tokens_per_min is not charged."""
+    async with admit(request, turn.model), context(request).registry.use(turn.model, None) as lease:
         check_serves(lease.model, turn.model, "chat")
         preset = lease.entry.source.preset
         thinking = think.checked(turn.thinking, lease.model, preset.template, turn.model)
