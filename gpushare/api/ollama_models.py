@@ -24,7 +24,7 @@ from gpushare.api.fields import field, read_json_object, required_string
 from gpushare.api.memory import memory_report
 from gpushare.api.model_defaults import context_room
 from gpushare.api.ollama import FOREVER_S, rfc3339
-from gpushare.api.tenant_views import own_view, tenant_rows, tenant_share
+from gpushare.api.tenant_views import own_view, seen_model, tenant_rows
 from gpushare.api.tenants import admit, check_admin, check_model, is_admin, visible
 from gpushare.api.thinking import template_thinks
 from gpushare.catalog.model_catalog import catalog_problems
@@ -200,9 +200,7 @@ async def ps(request: web.Request) -> web.Response:
     for entry in ctx.registry.loaded():
         if not visible(request, [entry.name]):
             continue
-        s = stats.get(entry.name)
-        if s is not None and own is not None:
-            s = tenant_share(s, own)
+        s, requests = seen_model(stats.get(entry.name), entry.active, own)
         expires = entry.expires_at if entry.expires_at is not None else time.time() + FOREVER_S
         kv_bytes = s.kv_committed_bytes if s else 0
         # What it holds now: weights and its slabs of the KV pool (a tensor-parallel group's first rank
@@ -221,7 +219,7 @@ async def ps(request: web.Request) -> web.Response:
             "kv_blocks_used": s.blocks_used if s else 0, "kv_blocks_total": s.blocks_total if s else 0,
             "kv_block_size": s.block_size if s else 0, "running": s.running if s else 0,
             "queued": s.waiting if s else 0,
-            "requests": entry.active if own is None else (s.running + s.waiting if s else 0),
+            "requests": requests,
             "keep_alive": entry.keep_alive_s, "device": entry.device_name, "worker_pid": entry.device.pid,
             "tensor_parallel": entry.device.world_size, "devices": getattr(entry.device, "members", [entry.device_name]),
             "device_healthy": ctx.supervisor.healthy(entry.device_name) if ctx.supervisor else True,

@@ -4,7 +4,9 @@
   memory.budget: weights, KV committed to models, the rest of its KV pool, other reservations, free;
 - ``models``: every model copy loaded, loading, unloading or warm (unloaded, kept built in host
   memory) that the asker may use, with its device and size; a loaded one with its KV blocks,
-  requests running and queued, tokens/s (last second) and keep-alive expiry;
+  requests running and queued, tokens/s (last second) and keep-alive expiry. A tenant that is not
+  an admin sees its own share of each, as /api/ps shows it (api/tenant_views.py): its requests and
+  KV, and no tokens/s (null: the model's rate is every tenant's);
 - ``tenants``: as /api/ps shows them (an admin: every tenant; a tenant: its own row), plus its 429s
   in the last minute;
 - ``history`` (admins only): the samples of api/status_history.py newer than ``?since=`` (epoch s).
@@ -24,7 +26,7 @@ from gpushare.api.context import context
 from gpushare.api.errors import bad_request
 from gpushare.api.health import device_rows
 from gpushare.api.status_history import HISTORY
-from gpushare.api.tenant_views import tenant_rows
+from gpushare.api.tenant_views import own_view, seen_model, tenant_rows
 from gpushare.api.tenants import gate_of, is_admin, tenant_of, visible
 
 PAGE_ROWS = 50
@@ -83,19 +85,23 @@ def model_rows(request: web.Request) -> list[dict]:
     history = request.app[HISTORY]
     residency = ctx.registry.residency
     unloading = {id(e) for e in residency.unloading_entries}
+    own = own_view(request)  # a tenant of a shared model sees its own requests and KV, as /api/ps shows them
     rows = []
     for entry in [*residency.entries(), *residency.unloading_entries]:
         if not visible(request, [entry.name]):
             continue
-        s = entry.device.stats().models.get(entry.name)
+        s, requests = seen_model(entry.device.stats().models.get(entry.name), entry.active, own)
         kv_bytes = (s.kv_committed_bytes if s else 0) * entry.device.world_size
+        # The model's tokens/s is every tenant's generation: a tenant's own share of it is not counted.
+        rate = history.model_tokens_per_s.get((entry.device_name, entry.name), 0.0) if own is None else None
         rows.append({
             "name": entry.name, "device": entry.device_name, "state": "unloading" if id(entry) in unloading else "loaded",
             "size_bytes": entry.weight_bytes + kv_bytes, "weight_bytes": entry.weight_bytes,
             "kv_committed_bytes": kv_bytes, "kv_blocks_used": s.blocks_used if s else 0,
             "kv_blocks_total": s.blocks_total if s else 0, "running": s.running if s else 0,
-            "queued": s.waiting if s else 0, "requests": entry.active,
-            "tokens_per_s": round(history.model_tokens_per_s.get((entry.device_name, entry.name), 0.0), 3),
+            "queued": s.waiting if s else 0,
+            "requests": requests,
+            "tokens_per_s": None if rate is None else round(rate, 3),
             "keep_alive_s": entry.keep_alive_s,
             "expires_at": entry.expires_at,  # epoch s its keep_alive ends; None while busy or kept for ever
             "pinned": entry.source.pinned})
@@ -107,7 +113,7 @@ def model_rows(request: web.Request) -> list[dict]:
         if visible(request, [job.source.name]):
             rows.append({"name": job.source.name, "device": job.device, "state": job.state,
                          "load_progress": round(job.progress, 4), "size_bytes": job.total_bytes,
-                         "requests": job.waiters})
+                         **({"requests": job.waiters} if own is None else {})})  # others' waiters are theirs
     return sorted(rows, key=lambda r: (r["name"], r["device"] or ""))
 
 

@@ -30,6 +30,14 @@ def tenant_share(stats: ModelStats, tenant: str) -> ModelStats:
                    cached_blocks=0, kv_committed_bytes=mine.blocks_used * stats.block_bytes, tenants={})
 
 
+def seen_model(stats: ModelStats | None, active: int, own: str | None) -> tuple[ModelStats | None, int]:
+    """A loaded model's stats and requests (``active``: every tenant's) as the ``own_view`` tenant sees them."""
+    if own is None or stats is None:
+        return stats, active if own is None else 0
+    mine = tenant_share(stats, own)
+    return mine, mine.running + mine.waiting
+
+
 def tenant_rows(request: web.Request) -> list[dict]:
     """/api/ps rows: the asking tenant's own, every tenant's for an admin."""
     gate, me = gate_of(request), tenant_of(request)

@@ -30,7 +30,7 @@ function fmtBytes(n) {
   return i === 0 ? `${n} B` : `${v.toFixed(1)} ${units[i]}`;
 }
 
-function fmtRate(v) { return v.toFixed(1); }
+function fmtRate(v) { return v === null ? "" : v.toFixed(1); }  // null: not shown to this tenant
 
 function fmtUntil(epochS, nowS) {
   const left = Math.max(0, Math.round(epochS - nowS));
