@@ -6,7 +6,7 @@ then for each layer `{"status": "pulling <12 hex>", "digest", "total", "complete
 (a bad or unknown name, a bad manifest, too little disk) is a plain HTTP error; after it, an
 `{"error"}` line. `"stream": false` answers the last line only. A second pull of a name
 being pulled watches the first. With tenants, starting a pull and uploading blobs are
-admin-only; anyone may watch one under way. /api/blobs stores an upload under its digest
+admin-only, and so is asking whether a blob is stored; anyone may watch one under way. /api/blobs stores an upload under its digest
 once its SHA-256 matches (Ollama's clients upload the files of a `create` this way).
 """
 
@@ -104,6 +104,10 @@ async def pull(request: web.Request) -> web.StreamResponse:
 
 
 async def head_blob(request: web.Request) -> web.Response:
+    """200 or 404: whether the blob is stored. With tenants, admins only: only they may upload blobs and
+    create models from them, and to anyone else the answer would tell whether some model or upload on the
+    node holds a file whose digest they can guess (a blob-existence oracle)."""
+    check_admin(request, "probe blobs (HEAD /api/blobs)")
     digest = request.match_info["digest"]
     try:
         path = blob_store.blob_path(context(request).settings.models_dir, digest)
