@@ -121,6 +121,9 @@ def parse_messages(body: dict, limits) -> list[dict]:
             raise bad_request(f'"{where}.role" must be "user" or "assistant", got {role!r}', param=where + ".role")
         blocks = _blocks(m, where)
         out += _assistant(blocks, where, calls) if role == "assistant" else _user(blocks, where, calls)
+    # Checked again as rendered, before any template: each tool_result block is a message of its own.
+    check_count("messages", len(out) - bool(system), "messages once each tool_result block is one",
+                "max_messages", limits)
     check_prompt_chars((m["content"] for m in out), "messages", limits)
     return out
 

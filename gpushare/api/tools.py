@@ -56,8 +56,8 @@ class ToolSpec:
 def parse_tools(body: dict, limits, messages: list[dict] = ()) -> ToolSpec:
     """``tools`` and ``tool_choice`` of either dialect; 400 naming the field that is wrong, or the limit
     passed: at most ``limits.max_tools`` tools, their parameters at most ``limits.max_schema_chars``
-    of JSON together, and the chat's texts (``messages``' contents and tool-call arguments, the tools'
-    descriptions) at most ``limits.max_prompt_chars``. Compiles every schema: run it off the loop."""
+    of JSON together, and the chat's texts (``prompt_texts``: everything but the parameters a template may
+    write) at most ``limits.max_prompt_chars``. Compiles every schema: run it off the loop."""
     raw = body.get("tools")
     if raw is None:
         raw = []
@@ -116,13 +116,21 @@ def parse_tools(body: dict, limits, messages: list[dict] = ()) -> ToolSpec:
 
 
 def prompt_texts(messages: list[dict], tools: list[dict]):
-    """Every text of a chat that reaches its prompt: contents, tool-call arguments (as the JSON they are
-    written in), the tools' descriptions."""
+    """Every text of a chat that a template may write into its prompt: contents, thinking sent back (one
+    text under two names), a tool result's call id and tool name, each history call's id, name and
+    arguments (as the JSON they are written in), the tools' names and descriptions (their parameters
+    count under limits.max_schema_chars)."""
     for m in messages:
         yield m["content"]
+        yield m.get("thinking") or m.get("reasoning_content") or ""
+        yield m.get("tool_call_id", "")
+        yield m.get("name", "")
         for call in m.get("tool_calls", ()):
+            yield call.get("id", "")
+            yield call["function"]["name"]
             yield json.dumps(call["function"]["arguments"])
     for tool in tools:
+        yield tool["function"]["name"]
         yield tool["function"]["description"]
 
 
