@@ -137,18 +137,19 @@ def test_prompts_and_messages_are_bounded_before_templating(daemon):
 def test_prompt_chars_count_tool_descriptions_and_call_arguments(daemon):
     tool = {"type": "function", "function": {"name": "f", "description": "d" * 2000, "parameters": {}}}
     chat = [{"role": "user", "content": "x" * 2001}]
+    # The tool's name counts too (1), as the call's name does below: a template writes both.
     assert_400(call(daemon, "POST", "/v1/chat/completions", {"model": MODEL, "messages": chat, "tools": [tool]}),
-               '"messages" has 4001 characters, more than the limit of 4000 (limits.max_prompt_chars)',
+               '"messages" has 4002 characters, more than the limit of 4000 (limits.max_prompt_chars)',
                param="messages")
     history = [{"role": "user", "content": "x" * 2001},
                {"role": "assistant", "content": "", "tool_calls": [
                    {"function": {"name": "f", "arguments": {"a": "y" * 1992}}}]}]  # {"a": "..."}: 2,001 characters
     assert_400(call(daemon, "POST", "/api/chat", {"model": MODEL, "messages": history}),
-               '"messages" has 4002 characters, more than the limit of 4000 (limits.max_prompt_chars)')
-    within = [{"role": "user", "content": "x" * 2000}]
+               '"messages" has 4003 characters, more than the limit of 4000 (limits.max_prompt_chars)')
+    within = [{"role": "user", "content": "x" * 1999}]
     status, body, _ = call(daemon, "POST", "/api/chat", {"model": MODEL, "messages": within, "stream": False,
                                                          "tools": [tool], "options": GREEDY})
-    assert status == 200, body  # 2,000 + 2,000: the limit
+    assert status == 200, body  # 1,999 + 2,000 + 1: the limit
 
 
 def test_embedding_inputs_are_bounded(daemon):
