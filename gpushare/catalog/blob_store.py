@@ -199,8 +199,9 @@ def manifest_digests(path: Path) -> set[str]:
 
 
 def drop_unused(root: Path, keep_paths: set[Path]) -> list[str]:
-    """Delete the blobs and folders no manifest names and no path in `keep_paths` is; returns what went.
-    Partials (a pull under way or to resume) stay."""
+    """Delete the blobs and folders no manifest names (every layer: model, adapter, projector, params...)
+    and no path in `keep_paths` is, holds or is inside (a kept folder keeps the blobs its links name);
+    returns what went. Partials (a pull under way or to resume) stay."""
     used: set[str] = set()
     manifests = root / "manifests"
     if manifests.is_dir():
@@ -209,6 +210,9 @@ def drop_unused(root: Path, keep_paths: set[Path]) -> list[str]:
                 if not name.startswith("."):
                     used |= manifest_digests(Path(dirpath) / name)
     kept = {p.resolve() for p in keep_paths}
+    for path in [p for p in kept if p.is_dir()]:
+        kept |= {(Path(d) / f).resolve() for d, _, files in os.walk(path) for f in files}
+    kept |= {parent for p in list(kept) for parent in p.parents}
     removed = []
     for kind in ("folders", "blobs"):
         folder = root / kind
