@@ -4,7 +4,7 @@ turned into per-layer, per-target float32 ``A [r, in]`` and ``B [out, r]`` with 
 
 Every refusal is a ValueError naming the adapter (and, for a mismatch, the base and both shapes).
 Its files are read as a model's are (catalog/model_files.py: no link out of the folder, regular files
-only, sizes capped), and a refusal never quotes what a file holds beyond short names and numbers: an
+only, sizes capped), and a refusal quotes nothing a file holds but numbers and tensor or module names: an
 adapter folder is written by whoever made it, and the error goes to the tenant who asked.
 """
 
@@ -34,14 +34,10 @@ _GGUF_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
 _SHOWN = re.compile(r"[\w.\-]{1,80}")
 
 
-def shown(value) -> str:
-    """A value read from an adapter's file as an error may quote it: a number, or a short name; else
-    only its kind (the file may not be the adapter's own: an error never carries what a file holds)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return repr(value)
-    if isinstance(value, str) and _SHOWN.fullmatch(value):
-        return repr(value)
-    return f"a {type(value).__name__} that is not shown"
+def shown(name) -> str:
+    """A tensor or module name read from an adapter's file as an error may quote it: a short name, else
+    only that it is not shown (an error never carries what a file holds)."""
+    return repr(name) if isinstance(name, str) and _SHOWN.fullmatch(name) else "(a name not shown)"
 
 
 @dataclass
@@ -70,7 +66,8 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
 
 def check_rank(name: str, rank) -> int:
     if not isinstance(rank, int) or not MIN_RANK <= rank <= MAX_RANK:
-        raise ValueError(f"adapter {name!r}: rank {shown(rank)} is not covered (ranks {MIN_RANK} to {MAX_RANK})")
+        said = rank if isinstance(rank, int) else "(not a whole number)"
+        raise ValueError(f"adapter {name!r}: rank {said} is not covered (ranks {MIN_RANK} to {MAX_RANK})")
     return rank
 
 
@@ -126,7 +123,7 @@ def _peft_config(name: str, path: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"adapter {name!r}: adapter_config.json is not an object")
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"adapter {name!r}: peft_type {shown(config.get('peft_type'))} is not LORA")
+        raise ValueError(f"adapter {name!r}: its peft_type is not LORA")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {key} is not supported")
@@ -174,7 +171,7 @@ def read_peft(path: str, name: str) -> LoraAdapter:
     _check_ranks(name, weights, rank)
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ValueError(f"adapter {name!r}: lora_alpha {shown(alpha)} is not a number")
+        raise ValueError(f"adapter {name!r}: lora_alpha is not a number")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraAdapter(name, rank, float(scale), weights, str(config.get("base_model_name_or_path") or ""))
 
@@ -190,8 +187,8 @@ def read_gguf(path: str, name: str) -> LoraAdapter:
     except (OSError, ValueError) as e:  # GGUFError names the file and the problem
         raise ValueError(f"adapter {name!r}: the GGUF file cannot be read: {e}") from None
     if fields.get("general.type") != "adapter" or fields.get("adapter.type", "lora") != "lora":
-        raise ValueError(f"adapter {name!r}: the GGUF file is not a LoRA adapter (general.type "
-                         f"{shown(fields.get('general.type'))})")
+        raise ValueError(f"adapter {name!r}: the GGUF file is not a LoRA adapter (its general.type is not "
+                         f"'adapter', or its adapter.type not 'lora')")
     found = {}
     for t in tensors:
         m = _GGUF_KEY.match(t.name)
