@@ -4,14 +4,18 @@ peft adapters made here, named like any model in every dialect. One adapter come
 store manifest's adapter layer (a GGUF LoRA, q and k in llama.cpp's RoPE row order). Each answer equals the offline LLM's for that adapter
 (tests/test_lora_oracle.py holds the offline LLM to peft's answers); /api/ps shows the base once with
 its adapters; an adapter loads on the resident base without reloading it; bad adapters get their 4xx
-and the base keeps serving."""
+and the base keeps serving. Adapter files are data from strangers: a link out of the folder or a FIFO
+is refused, never followed, quoted or waited on; deleting a pulled model keeps the blobs other models
+use; a chunked blob upload is held to the free disk (faked nearly full at the disk's boundary)."""
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import threading
+from http.client import HTTPConnection
 
 import numpy as np
 import ollama
@@ -20,10 +24,12 @@ import pytest
 
 from arch_models import _permute, hf_to_gguf, save_hf_model
 from gpushare import LLM, SamplingParams
-from tests.daemon_fixture import GPUSHARE, http, serving
+from gpushare.catalog.blob_store import DISK_MARGIN_BYTES, TEST_FREE_DISK_ENV
+from tests.daemon_fixture import GPUSHARE, http, serving, wait_for
 from test_lora_oracle import make_adapter
 
 BASE, CONFIGURED, CREATED, STORED = "tiny", "fine-a", "fine-b", "fine-c:latest"
+FREE_DISK_BYTES = DISK_MARGIN_BYTES + (16 << 20)  # the daemon's models disk, faked nearly full: 16 MiB to use
 PROMPT = "Tell me about the history of Paris and the river"
 NEW_TOKENS = 12
 TENANTS = [{"name": "alice", "api_keys": ["alice-key"], "models": [BASE, CONFIGURED]},
@@ -63,17 +69,19 @@ def write_gguf_lora(peft_folder: str, base_folder: str, path: str, arch: str = "
     writer.close()
 
 
-def store_with_adapter(root, gguf_lora: str, base_gguf_bytes: bytes) -> None:
-    """An Ollama store whose manifest fine-c:latest has a model layer and an adapter layer."""
-    layers = []
-    for media, data in (("model", base_gguf_bytes), ("adapter", open(gguf_lora, "rb").read())):
+def store_model(root, name: str, layers: list[tuple[str, bytes]]) -> list[str]:
+    """A store (Ollama's layout, as `ollama pull` and `gpushare pull` leave it) whose manifest NAME:latest
+    has these (media type, bytes) layers; their digests."""
+    entries = []
+    for media, data in layers:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         (root / "blobs").mkdir(parents=True, exist_ok=True)
         (root / "blobs" / digest.replace(":", "-")).write_bytes(data)
-        layers.append({"mediaType": f"application/vnd.ollama.image.{media}", "digest": digest, "size": len(data)})
-    folder = root / "manifests" / "registry.ollama.ai" / "library" / "fine-c"
+        entries.append({"mediaType": f"application/vnd.ollama.image.{media}", "digest": digest, "size": len(data)})
+    folder = root / "manifests" / "registry.ollama.ai" / "library" / name
     folder.mkdir(parents=True)
-    (folder / "latest").write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    (folder / "latest").write_text(json.dumps({"schemaVersion": 2, "layers": entries}))
+    return [e["digest"] for e in entries]
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +118,13 @@ def daemon(family, smollm2_path):
     # The store's model layer is a GGUF; the adapter is served on the model of the same blob, its own base.
     write_gguf_lora(folders[STORED], base, str(root / "c.gguf"))
     base_gguf = hf_to_gguf(base, str(root / "base.gguf"), smollm2_path)
-    store_with_adapter(store, str(root / "c.gguf"), open(base_gguf, "rb").read())
+    store_model(store, "fine-c", [("model", open(base_gguf, "rb").read()), ("adapter", open(root / "c.gguf", "rb").read())])
     overrides = {"models": [{"name": BASE, "path": base},
                             {"name": CONFIGURED, "adapter": folders[CONFIGURED], "base": BASE}],
                  "engine": {"weights": "float32", "kv_dtype": "float32", "max_num_seqs": 4,
                             "max_num_batched_tokens": 512},
                  "tenants": TENANTS, "memory": {"kv_budget": "64MiB", "max_loaded_models": 2}}
-    with serving(root, base, overrides, env={"OLLAMA_MODELS": str(store)}) as d:
+    with serving(root, base, overrides, env={"OLLAMA_MODELS": str(store), TEST_FREE_DISK_ENV: str(FREE_DISK_BYTES)}) as d:
         yield d
 
 
@@ -293,3 +301,79 @@ def test_create_refuses_a_missing_adapter_and_an_adapter_of_an_adapter(daemon, t
 def test_an_adapter_does_not_embed(daemon):
     status, body, _ = http("POST", daemon.url + "/api/embed", {"model": CONFIGURED, "input": "Hi"}, headers=ADMIN)
     assert status == 400 and "is a LoRA adapter" in body["error"], body
+
+
+def test_an_adapter_config_linked_out_of_its_folder_is_refused_and_never_quoted(daemon, family, tmp_path):
+    _, _, folders = family
+    secret = tmp_path / "secret.json"  # a JSON file elsewhere on the node, readable by the daemon
+    config = json.load(open(f"{folders[CONFIGURED]}/adapter_config.json"))
+    secret.write_text(json.dumps({**config, "peft_type": "TOPSECRET-7f3a", "r": "TOPSECRET-r"}))
+    for name in ("linked", "swapped"):
+        shutil.copytree(folders[CONFIGURED], tmp_path / name)
+    (tmp_path / "linked" / "adapter_config.json").unlink()
+    (tmp_path / "linked" / "adapter_config.json").symlink_to(secret)
+    status, body = create_from_modelfile(daemon, "linked-out", f"FROM {BASE}\nADAPTER {tmp_path / 'linked'}\n")
+    assert status == 400 and "adapter_config.json is a symbolic link that leaves the model's folder" in body["error"]
+    assert "TOPSECRET" not in json.dumps(body)
+    status, body = create_from_modelfile(daemon, "swapped-out", f"FROM {BASE}\nADAPTER {tmp_path / 'swapped'}\n")
+    assert status == 200, body
+    (tmp_path / "swapped" / "adapter_config.json").unlink()  # swapped by whoever writes the folder, after create
+    (tmp_path / "swapped" / "adapter_config.json").symlink_to(secret)
+    status, answer = generate(daemon, "swapped-out")
+    assert status == 422 and "adapter_config.json is a symbolic link that leaves the model's folder" in answer["error"]
+    assert "TOPSECRET" not in json.dumps(answer)
+
+
+def test_a_fifo_swapped_in_after_create_fails_its_load_and_holds_up_no_other(daemon, family, expected, tmp_path):
+    _, _, folders = family
+    for name in ("fifo", "after-fifo"):
+        shutil.copytree(folders[CREATED], tmp_path / name)
+        assert create_from_modelfile(daemon, name, f"FROM {BASE}\nADAPTER {tmp_path / name}\n")[0] == 200
+    (tmp_path / "fifo" / "adapter_config.json").unlink()
+    os.mkfifo(tmp_path / "fifo" / "adapter_config.json")  # an open for reading waits for a writer, for ever
+    assert generate(daemon, BASE)[0] == 200  # the base is resident: each adapter goes straight to its attach
+    stuck = {}
+    thread = threading.Thread(target=lambda: stuck.update(answer=generate(daemon, "fifo")), daemon=True)
+    thread.start()
+    assert wait_for(lambda: "attaching adapter fifo " in daemon.log(), timeout_s=60), daemon.log()[-2000:]
+    status, answer = generate(daemon, "after-fifo")  # http()'s 120 s: a generous bound, never a timing
+    assert status == 200 and answer["response"] == expected[CREATED], answer
+    thread.join(timeout=120)
+    status, answer = stuck["answer"]
+    assert status == 422 and "adapter_config.json is not a regular file" in answer["error"], answer
+
+
+def test_deleting_a_pulled_model_keeps_the_uploaded_adapter_blob_another_model_uses(daemon, family, expected):
+    root, _, _ = family
+    client = ollama.Client(host=daemon.url, headers=ADMIN)
+    digest = client.create_blob(root / "c.gguf")
+    client.create(model="fine-c-kept", from_=BASE, adapters={"c.gguf": digest})
+    assert generate(daemon, "fine-c-kept")[1]["response"] == expected[STORED]
+    (unrelated,) = store_model(daemon.models_dir, "unrelated", [("model", open(root / "base.gguf", "rb").read())])
+    assert "unrelated:latest" in {m.model for m in client.list().models}
+    client.delete("unrelated:latest")
+    blobs = daemon.models_dir / "blobs"
+    assert not (blobs / unrelated.replace(":", "-")).exists()  # what no model uses still goes
+    assert (blobs / digest.replace(":", "-")).is_file()
+    assert generate(daemon, "fine-c-kept")[1]["response"] == expected[STORED]
+
+
+def upload_chunked(daemon, data: bytes) -> tuple[int, dict]:
+    """POST /api/blobs/<digest> with no Content-Length, as Ollama's Go client uploads a file."""
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    conn = HTTPConnection(daemon.host, timeout=120)
+    chunks = (data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20))
+    conn.request("POST", f"/api/blobs/{digest}", chunks, ADMIN, encode_chunked=True)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, json.loads(body) if body else {}
+
+
+def test_a_chunked_upload_larger_than_the_free_disk_is_refused_and_nothing_of_it_stays(daemon):
+    status, body = upload_chunked(daemon, b"small" * 1000)
+    assert status == 201, body  # a chunked upload that fits is stored
+    big = os.urandom(FREE_DISK_BYTES - DISK_MARGIN_BYTES + (1 << 20))
+    status, body = upload_chunked(daemon, big)
+    assert status == 400 and "not enough disk space" in body["error"] and "this upload needs" in body["error"], body
+    assert not list((daemon.models_dir / "blobs").glob(f"sha256-{hashlib.sha256(big).hexdigest()}*"))

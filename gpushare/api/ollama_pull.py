@@ -123,21 +123,24 @@ async def post_blob(request: web.Request) -> web.Response:
     digest = request.match_info["digest"]
     try:
         blob_store.check_digest(digest)
-        if request.content_length is not None:
-            blob_store.check_free_space(root, request.content_length)
-        if blob_store.blob_path(root, digest).is_file():  # read what the client sends all the same: a
-            async for _ in request.content.iter_chunked(UPLOAD_CHUNK_BYTES):  # reply mid-upload resets it
-                pass
+        # A chunked upload (Ollama's Go client sends one) has no length up front: it is checked as it grows.
+        free = blob_store.check_free_space(root, request.content_length or 0, what="this upload")
+        if blob_store.blob_path(root, digest).is_file():
+            await _drain(request)
             return web.Response(status=201)
         fd = blob_store.open_partial(root, digest, 0)
         try:
             size = 0
             async for chunk in request.content.iter_chunked(UPLOAD_CHUNK_BYTES):
-                os.write(fd, chunk)
                 size += len(chunk)
-        except OSError as e:
+                blob_store.check_free_space(root, size, free, what="this upload")
+                os.write(fd, chunk)
+        except (OSError, StoreError) as e:
             blob_store.discard_partial(root, digest)
-            raise StoreError(f"cannot store the blob in {root}: {e.strerror}") from None
+            await _drain(request)
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot store the blob in {root}: {e.strerror}") from None
+            raise
         finally:
             os.close(fd)
         await run_low(blob_store.commit_partial, root, digest)
@@ -147,6 +150,13 @@ async def post_blob(request: web.Request) -> web.Response:
         blob_store.discard_partial(root, digest)
         raise
     return web.Response(status=201)
+
+
+async def _drain(request: web.Request) -> None:
+    """Read what the client still sends, writing none of it: a reply mid-upload resets the connection,
+    and the client would see that, not the reply."""
+    async for _ in request.content.iter_chunked(UPLOAD_CHUNK_BYTES):
+        pass
 
 
 def add_routes(app: web.Application) -> None:

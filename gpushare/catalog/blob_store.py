@@ -23,6 +23,7 @@ from pathlib import Path
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 HASH_CHUNK_BYTES = 4 << 20
 DISK_MARGIN_BYTES = 64 << 20  # left free for the manifest, logs and whatever else shares the disk
+TEST_FREE_DISK_ENV = "GPUSHARE_TEST_FREE_DISK_BYTES"
 
 
 class StoreError(ValueError):
@@ -144,14 +145,24 @@ def put_blob(root: Path, digest: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def check_free_space(root: Path, needed_bytes: int) -> None:
-    """StoreError naming the space needed and free when `needed_bytes` (plus a margin) does not fit."""
-    root.mkdir(parents=True, exist_ok=True)
+def free_disk_bytes(root: Path) -> int:
+    """The bytes free on `root`'s disk. TEST ONLY: GPUSHARE_TEST_FREE_DISK_BYTES=N in the environment
+    makes it at most N (a disk near full, faked at the disk's boundary); unset, the disk's own figure."""
     free = shutil.disk_usage(root).free
+    fake = os.environ.get(TEST_FREE_DISK_ENV)
+    return min(free, int(fake)) if fake else free
+
+
+def check_free_space(root: Path, needed_bytes: int, free_bytes: int | None = None, what: str = "this pull") -> int:
+    """The bytes free; StoreError naming the space needed and free when `needed_bytes` (plus a margin) does
+    not fit. `free_bytes`: what was free when a write of unknown length began (an upload checked as it grows)."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = free_disk_bytes(root) if free_bytes is None else free_bytes
     if needed_bytes + DISK_MARGIN_BYTES > free:
-        raise StoreError(f"not enough disk space in {root}: this pull needs {needed_bytes} bytes "
+        raise StoreError(f"not enough disk space in {root}: {what} needs {needed_bytes} bytes "
                          f"({_human(needed_bytes)}) plus {_human(DISK_MARGIN_BYTES)} to spare, "
                          f"and {free} bytes ({_human(free)}) are free")
+    return free
 
 
 def _human(n: int) -> str:
@@ -199,8 +210,9 @@ def manifest_digests(path: Path) -> set[str]:
 
 
 def drop_unused(root: Path, keep_paths: set[Path]) -> list[str]:
-    """Delete the blobs and folders no manifest names and no path in `keep_paths` is; returns what went.
-    Partials (a pull under way or to resume) stay."""
+    """Delete the blobs and folders no manifest names (every layer: model, adapter, projector, params...)
+    and no path in `keep_paths` is, holds or is inside (a kept folder keeps the blobs its links name);
+    returns what went. Partials (a pull under way or to resume) stay."""
     used: set[str] = set()
     manifests = root / "manifests"
     if manifests.is_dir():
@@ -209,6 +221,9 @@ def drop_unused(root: Path, keep_paths: set[Path]) -> list[str]:
                 if not name.startswith("."):
                     used |= manifest_digests(Path(dirpath) / name)
     kept = {p.resolve() for p in keep_paths}
+    for path in [p for p in kept if p.is_dir()]:
+        kept |= {(Path(d) / f).resolve() for d, _, files in os.walk(path) for f in files}
+    kept |= {parent for p in list(kept) for parent in p.parents}
     removed = []
     for kind in ("folders", "blobs"):
         folder = root / kind

@@ -157,6 +157,26 @@ def model_sources(settings: Settings) -> dict[str, ModelSource]:
     return found
 
 
+def referenced_paths(settings: Settings, sources: dict[str, ModelSource]) -> set[Path]:
+    """Every file or folder a model names by path, for the store's garbage collection
+    (blob_store.drop_unused; manifests count their own layers): each model's weights, adapter and
+    base, the config's entries, every Modelfile and link in models_dir, those a model of the same name
+    hides included (removing that model shows them again)."""
+    named = [p for s in sources.values() for p in (s.path, s.adapter, s.base)]
+    named += [p for m in settings.models for p in (m.path, m.adapter, m.base)]
+    folder = settings.models_dir
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if p.is_symlink():
+            named.append(str(p))
+        elif p.suffix == MODELFILE_SUFFIX and p.is_file():
+            try:
+                modelfile = parse_modelfile(p.read_text(), str(p))
+            except (ModelfileError, OSError, UnicodeDecodeError):
+                continue  # unreadable: it names nothing a model can use
+            named += [modelfile.base, modelfile.adapter]
+    return {Path(p) for p in named if p and os.path.isabs(p)}
+
+
 def link_adapters(found: dict[str, ModelSource]) -> None:
     """Give each adapter its base: a model's name (``name`` or ``name:latest``), else weights by path (an
     Ollama store's model layer, a Modelfile's FROM path), served as the model of those weights, or as

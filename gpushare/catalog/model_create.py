@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from gpushare.catalog.model_catalog import MODELFILE_SUFFIX, ModelSource, RegistrationError
-from gpushare.catalog.model_files import ModelFileError, open_regular
+from gpushare.catalog.model_files import ModelFileError, checked_path, open_regular
 from gpushare.catalog.modelfile import ModelfileError, format_modelfile
 from gpushare.settings.model_options import ModelPreset
 
@@ -71,7 +71,11 @@ def adapter_path(adapter: str) -> Path:
     path = Path(adapter).expanduser()
     if not path.is_absolute():
         raise RegistrationError(f"adapter path {str(path)!r} must be absolute (it is resolved by the daemon)")
-    if not ((path / "adapter_config.json").is_file() or (path.is_file() and is_gguf(path))):
+    try:  # a link out of the folder is refused here as at every load (catalog/model_files.py)
+        config = path.is_dir() and checked_path(str(path), "adapter_config.json")
+    except ModelFileError as e:
+        raise RegistrationError(f"adapter {str(path)!r}: {e}") from None
+    if not ((config and os.path.isfile(config)) or (path.is_file() and is_gguf(path))):
         raise RegistrationError(f"adapter {str(path)!r} is neither a PEFT folder with adapter_config.json nor a "
                                 f"GGUF LoRA file")
     return path.resolve()

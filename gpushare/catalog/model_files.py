@@ -88,9 +88,9 @@ def read_text(folder: str, name: str, limit_bytes: int = MAX_TEXT_BYTES) -> str 
     return None if data is None else data.decode("utf-8")
 
 
-def read_json(folder: str, name: str, default=None):
+def read_json(folder: str, name: str, default=None, limit_bytes: int = MAX_JSON_BYTES):
     """``folder/name`` parsed as JSON; ``default`` when the file is absent."""
-    data = read_bytes(folder, name, MAX_JSON_BYTES)
+    data = read_bytes(folder, name, limit_bytes)
     if data is None:
         return default
     try:

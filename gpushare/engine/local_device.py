@@ -122,9 +122,12 @@ class LocalDevice(Device):
 
     def attach_adapter(self, name: str, base: str, path: str) -> int:
         """Serve the LoRA adapter at `path` as `name` on loaded model `base`; its weight bytes. Blocking."""
-        from gpushare.models.lora import read_adapter
+        from gpushare.models.lora import READ_TIMEOUT_S, read_adapter
 
-        adapter = in_passing_thread(read_adapter, path, name).result()
+        try:  # a read that hangs is left behind: loads here run side by side, none waits on it
+            adapter = in_passing_thread(read_adapter, path, name).result(timeout=READ_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"adapter {name!r}: its files took over {READ_TIMEOUT_S:g}s to read") from None
         self.engine.add_adapter(name, base, adapter)
         return adapter.nbytes
 

@@ -47,3 +47,27 @@ class PassingThreads:
         with self._lock:
             self._last = in_passing_thread(fn, *args, after=self._last, name=self.name)
             return self._last
+
+
+def timed_read(fn, args: tuple, timeout_s: float, why: str, then) -> None:
+    """Run ``fn(*args)`` in a passing thread of its own and call ``then(future)`` once, in whichever comes
+    first: its end, or ``timeout_s`` (the future then holds ``TimeoutError(why)`` and what ``fn`` returns
+    later is dropped). For reads of files a stranger wrote, which may never end."""
+    answered = threading.Lock()
+    timer = None
+
+    def once(future: Future) -> None:
+        if answered.acquire(blocking=False):
+            if timer is not None:
+                timer.cancel()
+            then(future)
+
+    def give_up() -> None:
+        late: Future = Future()
+        late.set_exception(TimeoutError(why))
+        once(late)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    in_passing_thread(fn, *args, name="gpushare-read").add_done_callback(once)

@@ -25,6 +25,8 @@ import os
 import queue
 import sys
 import threading
+from concurrent.futures import Future
+from functools import partial
 from multiprocessing.connection import Connection
 
 import torch
@@ -32,14 +34,14 @@ import torch
 from gpushare.protocol import messages as m
 from gpushare.engine.engine import Engine
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
-from gpushare.engine.passing_threads import PassingThreads
+from gpushare.engine.passing_threads import PassingThreads, timed_read
 from gpushare.engine.tp_runtime import (Follower, FollowerModel, LeaderModel, broadcast_decommit, join_group,
                                              use_all_reduce)
 from gpushare.engine.test_hooks import install_test_stall
 from gpushare.protocol.outputs import RequestOutput
 from gpushare.models.host_copy import to_device, to_host
 from gpushare.models.loader import load_model, return_freed_memory
-from gpushare.models.lora import read_adapter
+from gpushare.models.lora import READ_TIMEOUT_S as ADAPTER_READ_TIMEOUT_S, read_adapter
 from gpushare.catalog.tensor_split import rank_config, split_model, vocab_widths
 
 log = logging.getLogger("gpushare.worker")
@@ -133,9 +135,10 @@ class WorkerHost:
         elif isinstance(message, (m.LoadModel, m.UnloadModel)):
             self._loader.submit(_reply, self.outbox, message.call_id,
                                 self._load if isinstance(message, m.LoadModel) else self._unload, message)
-        elif isinstance(message, (m.AttachAdapter, m.DetachAdapter)):  # in order with the loads of their bases
-            self._loader.submit(_reply, self.outbox, message.call_id,
-                                self._attach if isinstance(message, m.AttachAdapter) else self._detach, message)
+        elif isinstance(message, m.AttachAdapter):
+            self._attach(message)
+        elif isinstance(message, m.DetachAdapter):  # in order with the loads of their bases
+            self._loader.submit(_reply, self.outbox, message.call_id, self._detach, message)
         elif isinstance(message, m.DropWarm):
             self._loader.submit(self.warm.pop, message.warm_key, None)
         elif isinstance(message, m.SetTenants):
@@ -189,13 +192,29 @@ class WorkerHost:
         self.engine.remove_model(message.name)
         _retire(self.loaded, self.warm, message)
 
-    def _attach(self, message: m.AttachAdapter) -> int:
-        """The adapter's weight bytes, once it serves; ValueError naming what does not fit."""
+    def _attach(self, message: m.AttachAdapter) -> None:
+        """Read the adapter's files in a thread of their own, outside the ordered loads: a read that hangs
+        (a stalled mount) holds up no other model's or adapter's load, and is answered with an error after
+        ADAPTER_READ_TIMEOUT_S (what it read later is dropped). Once read, the engine takes it in order
+        with the loads; the reply is its weight bytes, or a ValueError naming what does not fit."""
         if self.spec.group is not None:
-            raise ValueError(f"adapter {message.name!r}: LoRA adapters are not served on tensor-parallel models")
-        adapter = read_adapter(message.path, message.name)
-        self.engine.add_adapter(message.name, message.base, adapter)
-        return adapter.nbytes
+            error = ValueError(f"adapter {message.name!r}: LoRA adapters are not served on tensor-parallel models")
+            self.outbox.put(m.Reply(message.call_id, error=error))
+            return
+
+        def add(adapter, message: m.AttachAdapter) -> int:
+            self.engine.add_adapter(message.name, message.base, adapter)
+            return adapter.nbytes
+
+        def read_then(reading: Future) -> None:
+            if reading.exception() is not None:
+                log.warning("reading adapter %s failed: %s", message.name, reading.exception())
+                self.outbox.put(m.Reply(message.call_id, error=reading.exception()))
+            else:
+                self._loader.submit(_reply, self.outbox, message.call_id, partial(add, reading.result()), message)
+
+        timed_read(read_adapter, (message.path, message.name), ADAPTER_READ_TIMEOUT_S,
+                   f"adapter {message.name!r}: its files took over {ADAPTER_READ_TIMEOUT_S:g}s to read", read_then)
 
     def _detach(self, message: m.DetachAdapter) -> None:
         self.engine.remove_adapter(message.name)

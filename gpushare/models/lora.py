@@ -3,9 +3,11 @@ adapter_model.safetensors) or a GGUF LoRA (``general.type = adapter``, llama.cpp
 turned into per-layer, per-target float32 ``A [r, in]`` and ``B [out, r]`` with one scale (alpha / r).
 
 Every refusal is a ValueError naming the adapter (and, for a mismatch, the base and both shapes).
+Its files are read as a model's are (catalog/model_files.py: no link out of the folder, regular files
+only, sizes capped), and a refusal quotes nothing a file holds but numbers and tensor or module names: an
+adapter folder is written by whoever made it, and the error goes to the tenant who asked.
 """
 
-import json
 import math
 import os
 import re
@@ -14,10 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from gpushare.catalog.model_config import ModelConfig
+from gpushare.catalog.model_files import ModelFileError, read_json, weight_files
 from gpushare.models.gguf_file import unpermute_order
 from gpushare.models.quantized import permute_rows
 
 MIN_RANK, MAX_RANK = 1, 64  # the ranks the batched kernels (kernels/lora_*) cover
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json (peft writes ~1 KB)
+MAX_WEIGHTS_BYTES = 4 << 30  # a weights file: rank 64 on every projection of a 70B base is 3.3 GB in float32
+READ_TIMEOUT_S = 120.0  # reading an adapter's files (at most MAX_WEIGHTS_BYTES) on a slow disk; longer: stuck
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                 "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -25,6 +31,13 @@ GGUF_TARGETS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
                 "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 _GGUF_KEY = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+_SHOWN = re.compile(r"[\w.\-]{1,80}")
+
+
+def shown(name) -> str:
+    """A tensor or module name read from an adapter's file as an error may quote it: a short name, else
+    only that it is not shown (an error never carries what a file holds)."""
+    return repr(name) if isinstance(name, str) and _SHOWN.fullmatch(name) else "(a name not shown)"
 
 
 @dataclass
@@ -53,7 +66,8 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
 
 def check_rank(name: str, rank) -> int:
     if not isinstance(rank, int) or not MIN_RANK <= rank <= MAX_RANK:
-        raise ValueError(f"adapter {name!r}: rank {rank!r} is not covered (ranks {MIN_RANK} to {MAX_RANK})")
+        said = rank if isinstance(rank, int) else "(not a whole number)"
+        raise ValueError(f"adapter {name!r}: rank {said} is not covered (ranks {MIN_RANK} to {MAX_RANK})")
     return rank
 
 
@@ -100,15 +114,16 @@ def _check_ranks(name: str, weights: dict, rank: int) -> None:
 
 
 def _peft_config(name: str, path: str) -> dict:
-    try:
-        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+    try:  # ModelFileError and JSON's errors say where, never what
+        config = read_json(path, "adapter_config.json", limit_bytes=MAX_CONFIG_BYTES)
     except (OSError, ValueError) as e:
         raise ValueError(f"adapter {name!r}: adapter_config.json cannot be read: {e}") from None
+    if config is None:
+        raise ValueError(f"adapter {name!r}: adapter_config.json is missing")
     if not isinstance(config, dict):
         raise ValueError(f"adapter {name!r}: adapter_config.json is not an object")
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise ValueError(f"adapter {name!r}: its peft_type is not LORA")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             raise ValueError(f"adapter {name!r}: {key} is not supported")
@@ -121,7 +136,9 @@ def _peft_targets(name: str, config: dict) -> None:
     targets = config.get("target_modules") or []
     if isinstance(targets, str):  # a regular expression over module names: the tensors say what it meant
         return
-    unknown = sorted(set(targets) - set(PEFT_TARGETS))
+    if not isinstance(targets, list):
+        raise ValueError(f"adapter {name!r}: target_modules is not a list of module names")
+    unknown = sorted(shown(t).strip("'") for t in set(map(str, targets)) - set(PEFT_TARGETS))
     if unknown:
         raise ValueError(f"adapter {name!r}: target modules {unknown} are not covered "
                          f"(covered: {', '.join(PEFT_TARGETS)})")
@@ -136,21 +153,25 @@ def read_peft(path: str, name: str) -> LoraAdapter:
     rank = check_rank(name, config.get("r"))
     _peft_targets(name, config)
     try:
-        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        files = weight_files(path, "adapter_model.safetensors")  # no link out, no FIFO
+        if not files:
+            raise ValueError("it is missing")
+        checked_size(files[0], "adapter_model.safetensors")
+        tensors = load_file(files[0])
     except (OSError, SafetensorError, ValueError, RuntimeError) as e:
         raise ValueError(f"adapter {name!r}: adapter_model.safetensors cannot be read: {e}") from None
     found = {}
     for key, tensor in tensors.items():
         m = _PEFT_KEY.search(key)
         if m is None or m.group(2) not in PEFT_TARGETS:
-            raise ValueError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight of a covered target "
+            raise ValueError(f"adapter {name!r}: tensor {shown(key)} is not a LoRA weight of a covered target "
                              f"({', '.join(PEFT_TARGETS)})")
         found.setdefault((int(m.group(1)), PEFT_TARGETS[m.group(2)]), {})[m.group(3)] = tensor
     weights = _pair_up(name, found)
     _check_ranks(name, weights, rank)
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ValueError(f"adapter {name!r}: lora_alpha {alpha!r} is not a number")
+        raise ValueError(f"adapter {name!r}: lora_alpha is not a number")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoraAdapter(name, rank, float(scale), weights, str(config.get("base_model_name_or_path") or ""))
 
@@ -158,23 +179,24 @@ def read_peft(path: str, name: str) -> LoraAdapter:
 def read_gguf(path: str, name: str) -> LoraAdapter:
     """A GGUF LoRA as llama.cpp's convert_lora_to_gguf writes it. Its q and k lora_B rows are in the
     GGUF's RoPE order, as the base's q and k weights are: fit_to_base undoes it with the base's heads."""
-    from gpushare.catalog.gguf_reader import read_gguf_file
+    from gpushare.catalog.gguf_reader import open_gguf
 
     try:
-        fields, tensors = read_gguf_file(path)
-    except Exception as e:  # the reader's errors are many kinds; each one means a corrupt file
-        raise ValueError(f"adapter {name!r}: the GGUF file cannot be read: {type(e).__name__}: {e}") from None
+        checked_size(path, "the GGUF file")
+        fields, tensors = open_gguf(path)  # a FIFO or device is refused at open, never waited on
+    except (OSError, ValueError) as e:  # GGUFError names the file and the problem
+        raise ValueError(f"adapter {name!r}: the GGUF file cannot be read: {e}") from None
     if fields.get("general.type") != "adapter" or fields.get("adapter.type", "lora") != "lora":
-        raise ValueError(f"adapter {name!r}: the GGUF file is not a LoRA adapter (general.type "
-                         f"{fields.get('general.type')!r})")
+        raise ValueError(f"adapter {name!r}: the GGUF file is not a LoRA adapter (its general.type is not "
+                         f"'adapter', or its adapter.type not 'lora')")
     found = {}
     for t in tensors:
         m = _GGUF_KEY.match(t.name)
         if m is None or m.group(2) not in GGUF_TARGETS:
-            raise ValueError(f"adapter {name!r}: tensor {t.name!r} is not a LoRA weight of a covered target "
+            raise ValueError(f"adapter {name!r}: tensor {shown(t.name)} is not a LoRA weight of a covered target "
                              f"({', '.join(GGUF_TARGETS)})")
         if t.tensor_type.name not in ("F32", "F16", "BF16"):
-            raise ValueError(f"adapter {name!r}: tensor {t.name!r} is {t.tensor_type.name}, not F32/F16/BF16")
+            raise ValueError(f"adapter {name!r}: tensor {shown(t.name)} is {t.tensor_type.name}, not F32/F16/BF16")
         shape = [int(d) for d in reversed(t.shape)]
         tensor = torch.from_numpy(t.data.astype("float32").reshape(shape))
         found.setdefault((int(m.group(1)), GGUF_TARGETS[m.group(2)]), {})[m.group(3).upper()] = tensor
@@ -186,10 +208,16 @@ def read_gguf(path: str, name: str) -> LoraAdapter:
                        arch=str(fields.get("general.architecture") or ""))
 
 
+def checked_size(path: str, shown_as: str) -> None:
+    """ModelFileError when the file at ``path`` is over MAX_WEIGHTS_BYTES (before a byte of it is read)."""
+    if os.path.getsize(path) > MAX_WEIGHTS_BYTES:
+        raise ModelFileError(f"{shown_as} is over {MAX_WEIGHTS_BYTES} bytes, the most an adapter's weights may hold")
+
+
 def read_adapter(path: str, name: str) -> LoraAdapter:
     """The adapter at ``path`` (a PEFT folder or a GGUF file), ValueError if it is neither or is broken."""
     if os.path.isdir(path):
         return read_peft(path, name)
     if os.path.isfile(path):
         return read_gguf(path, name)
-    raise ValueError(f"adapter {name!r}: {path!r} is neither a PEFT folder nor a GGUF file")
+    raise ValueError(f"adapter {name!r}: {os.path.basename(path)!r} is neither a PEFT folder nor a GGUF file")

@@ -23,7 +23,6 @@ import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from gpushare.catalog.blob_store import drop_unused
 from gpushare.catalog.model_files import without_paths
@@ -31,7 +30,7 @@ from gpushare.settings.settings import Settings
 from gpushare.residency.memory_budget import HEADER_READ_TIMEOUT_S, default_budget_bytes
 from gpushare.catalog.model_create import create_model, removable_file
 from gpushare.catalog.model_catalog import (ModelDescription, ModelNotFound, ModelSource, RegistrationError,
-                                           describe_files, describe_model, model_sources)
+                                           describe_files, describe_model, model_sources, referenced_paths)
 from gpushare.protocol.device import Device
 from gpushare.residency.adapter_residency import adapters_of
 from gpushare.residency.entries import LoadedEntry, LoadJob, ModelLoadError, RegistryFull
@@ -211,8 +210,7 @@ class Registry:
             self.residency.warm.take(self.residency.warm_key(source, device))
         os.unlink(path)
         if source.origin == "pulled":
-            kept = {Path(s.path) for s in self.sources().values()}  # a link or config entry may name a blob
-            dropped = drop_unused(self.settings.models_dir, kept)
+            dropped = drop_unused(self.settings.models_dir, referenced_paths(self.settings, self.sources()))
             log.info("removed %s and %d files no other model uses", source.name, len(dropped))
 
     # ------------------------------------------------------------------ requests

@@ -38,6 +38,9 @@ log = logging.getLogger("gpushare.workers")
 
 START_TIMEOUT_S = 120.0  # importing torch and starting the engine; minutes only on a cold, slow disk
 STOP_TIMEOUT_S = 10.0
+# An attach: the worker's read of the adapter's files (its own timeout, models/lora.READ_TIMEOUT_S), then
+# its turn after the loads queued before it; a worker that has not answered by then is stuck.
+ATTACH_TIMEOUT_S = 600.0
 
 
 class WorkerDied(RuntimeError):
@@ -219,8 +222,19 @@ class WorkerClient(Device):
 
     def attach_adapter(self, name: str, base: str, path: str) -> int:
         """Serve the LoRA adapter at `path` as `name` on loaded model `base`; its weight bytes. Blocking;
-        ValueError (as the worker raised it) when it does not fit the base or its file is refused."""
-        return self._call(lambda call_id: m.AttachAdapter(call_id, name, base, path)).result()
+        ValueError (as the worker raised it) when it does not fit the base or its file is refused, and
+        RuntimeError when the worker has not answered in ATTACH_TIMEOUT_S (an adapter it attaches after
+        that is detached again: nobody serves it)."""
+        future = self._call(lambda call_id: m.AttachAdapter(call_id, name, base, path))
+        try:
+            return future.result(timeout=ATTACH_TIMEOUT_S)
+        except TimeoutError:
+            if future.done():  # the worker's own answer: its read of the files timed out
+                raise
+        future.add_done_callback(lambda f: f.exception() is None and self._send_quietly(
+            m.DetachAdapter(next(self._call_ids), name)))
+        raise RuntimeError(f"the engine worker for {self.name} did not attach adapter {name!r} within "
+                           f"{ATTACH_TIMEOUT_S:g}s")
 
     def detach_adapter(self, name: str) -> None:
         """Blocking; its requests end with an error."""
