@@ -18,24 +18,26 @@ Parts, timeouts and expected costs on one H100 (no GPU was at hand when this was
 costs are estimates: shapes over the card's ~3 TB/s and ~800 TFLOP/s that the lending machine's own
 notes record, Triton compiles at ~1 s each on a cold cache, and the CPU host's Python for the rest):
 
-| part     | what                                                                 | expect | timeout |
-|----------|----------------------------------------------------------------------|--------|---------|
-| env      | versions, the card, gpushare's dependencies importable, nvidia-smi   | ~6 s   | 15 s    |
-| node     | read-only NVML / MIG / MPS probes kept as recorded outputs           | ~8 s   | 20 s    |
-| kernels  | copy and bf16-matmul peaks; paged attention (6 shapes x 6 checks,    | ~50 s  | 85 s    |
-|          | ~40 compiles) vs torch; decode GB/s, prefill TFLOP/s, cache writes   |        |         |
-| quant    | int8/int4 matmuls vs torch (24 checks), tile sweep (30 compiles),    | ~50 s  | 70 s    |
-|          | timed at M=1/16/64/512 on 3 Llama-3-8B weights (~1 ms a call at most)|        |         |
-| lora     | the LoRA kernel vs torch in bf16 and fp32, timed                     | ~8 s   | 20 s    |
-| sampling | the batched sampler at batch 64 x 49,152: seeds, penalties, syncs     | ~8 s   | 20 s    |
-| llm      | LLM on SmolLM2-135M (random) x bf16/int8/int4 x c=1/16/64, 128 tokens | ~75 s  | 120 s   |
-|          | (each ~3 s load, warm-up compiles, ~6 s timed, seeded check, profile) |        |         |
-| llm_big  | 2 layers of Llama-3-8B (bf16, int4) and Gemma-2-9B (bf16), c=16:      | ~35 s  | 50 s    |
-|          | 1.1-1.7 GB written and read back per model                           |        |         |
-| daemon   | gpushare serve on cuda, 16 concurrent chats, /api/ps, SIGTERM         | ~30 s  | 60 s    |
+| part         | what                                                             | expect | timeout |
+|--------------|------------------------------------------------------------------|--------|---------|
+| env          | versions, the card, which dependencies import, nvidia-smi         | ~6 s   | 15 s    |
+| node         | read-only NVML / MIG / MPS probes kept as recorded outputs       | ~8 s   | 20 s    |
+| kernels      | copy and bf16-matmul peaks; paged attention (6 shapes x 6 checks, | ~50 s  | 80 s    |
+|              | ~40 compiles) vs torch; decode GB/s, prefill TFLOP/s, cache write |        |         |
+| quant        | int8/int4 matmuls vs torch (24 checks), tile sweep (30 compiles), | ~45 s  | 65 s    |
+|              | timed at M=1/16/64/512 on 3 Llama-3-8B weights (<= ~1 ms a call) |        |         |
+| lora         | the LoRA kernel vs torch in bf16 and fp32, timed                 | ~8 s   | 20 s    |
+| sampling     | the batched sampler at batch 64 x 49,152: seeds, penalties, syncs | ~8 s   | 20 s    |
+| llm_bfloat16 | LLM on SmolLM2-135M (random weights) at c=1/16/64, 128 tokens:    | ~25 s  | 40 s    |
+| llm_int8     | each ~3 s to write and load, warm-up compiles (~5-15 s), ~6 s     | ~20 s  | 40 s    |
+| llm_int4     | timed (~10 ms a step), a seeded check; int4 also one profile      | ~22 s  | 40 s    |
+| llm_big      | 2 layers of Llama-3-8B (bf16, int4) and Gemma-2-9B (bf16), c=16:  | ~40 s  | 60 s    |
+|              | 1.1-1.7 GB written, read back as float32 and moved, per model    |        |         |
+| daemon       | gpushare serve on cuda, 16 concurrent chats, /api/ps, SIGTERM     | ~30 s  | 60 s    |
 
 The timeouts sum to 460 s (7 min 40 s), so the whole check ends within 8 minutes even when every
-part runs to its limit; the expected total is ~4.5 minutes.
+part runs to its limit (a part's timeout includes the 3 s that killing it may take); the expected
+total is ~4.5 minutes. Each part's time includes its process start (~3 s: torch, CUDA).
 """
 
 import argparse
@@ -56,16 +58,19 @@ ROOT = HERE.parent
 PARTS = {
     "env": ("gpu_check_node", "part_env", 15),
     "node": ("gpu_check_node", "part_node", 20),
-    "kernels": ("gpu_check_attention", "part_kernels", 85),
-    "quant": ("gpu_quant_check", "part_quant_matmul", 70),
+    "kernels": ("gpu_check_attention", "part_kernels", 80),
+    "quant": ("gpu_quant_check", "part_quant_matmul", 65),
     "lora": ("gpu_check_lora_sampling", "part_lora", 20),
     "sampling": ("gpu_check_lora_sampling", "part_sampling", 20),
-    "llm": ("gpu_check_llm", "part_llm", 120),
-    "llm_big": ("gpu_check_llm", "part_llm_big", 50),
+    "llm_bfloat16": ("gpu_check_llm", "part_llm_bfloat16", 40),
+    "llm_int8": ("gpu_check_llm", "part_llm_int8", 40),
+    "llm_int4": ("gpu_check_llm", "part_llm_int4", 40),
+    "llm_big": ("gpu_check_llm", "part_llm_big", 60),
     "daemon": ("gpu_check_daemon", "part_daemon", 60),
 }
 DRY_TIMEOUT_FACTOR = 3  # the dry run's tiny shapes run interpreted on a loaded CPU
 LOG_TAIL_LINES = 80
+KILL_GRACE_S = 3  # of a part's timeout: SIGTERM to its process group, then SIGKILL
 
 
 def run_part(name: str, out_path: str) -> int:
@@ -106,10 +111,10 @@ def launch(name: str, device: str, timeout_s: float, workdir: Path) -> dict:
                                 stdout=log, stderr=subprocess.STDOUT, env=part_env(device), cwd=ROOT,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout_s)
+            code = proc.wait(max(timeout_s - KILL_GRACE_S, 0.1))
             status = "ok" if code == 0 else f"error (exit {code})"
         except subprocess.TimeoutExpired:
-            status = f"timeout after {timeout_s:.0f} s"
+            status = f"timeout after {timeout_s:g} s"
             kill_group(proc)
     part = {"status": status, "seconds": round(time.perf_counter() - start, 1), "timeout_s": timeout_s}
     if out_path.exists():
@@ -124,7 +129,7 @@ def launch(name: str, device: str, timeout_s: float, workdir: Path) -> dict:
 
 def kill_group(proc):
     """The part and whatever it started (a daemon, its workers): SIGTERM, then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S - 1), (signal.SIGKILL, 1)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -1,9 +1,9 @@
-"""The ``llm`` and ``llm_big`` parts of benchmarks/gpu_check.py: the offline ``LLM`` (gpushare/llm.py)
-on the device, on random-weight models of real layer shapes (gpu_check_models.py).
+"""The ``llm_*`` parts of benchmarks/gpu_check.py: the offline ``LLM`` (gpushare/llm.py) on the
+device, on random-weight models of real layer shapes (gpu_check_models.py).
 
-llm: SmolLM2-135M in bfloat16, int8 and int4 weights at concurrency 1, 16 and 64 (greedy, fixed
-length): tokens/s, peak device memory, Triton kernels compiled at warm-up and (the ones that should
-be none) during the timed runs, one profiled step's top kernels, and whether a seeded, penalised
+llm_bfloat16, llm_int8, llm_int4: SmolLM2-135M with those weights at concurrency 1, 16 and 64 (greedy,
+fixed length): tokens/s, peak device memory, Triton kernels compiled at warm-up and (the ones that should
+be none) during the timed runs, one profiled step's top kernels (int4), and whether a seeded, penalised
 request draws the same tokens alone as among 63 others.
 llm_big: two layers of Llama-3-8B and of Gemma-2-9B (head dim 256, soft caps, a sliding window) in
 bfloat16 (Llama also int4) at concurrency 16.
@@ -20,7 +20,6 @@ from gpu_check_models import write_model
 
 CONCURRENCY = [1, 16, 64]
 GEN_TOKENS = 128 if not DRY else 4
-FORMATS = ["bfloat16", "int8", "int4"]
 BIG = [("llama-3-8b-2layers", "bfloat16"), ("llama-3-8b-2layers", "int4"), ("gemma-2-9b-2layers", "bfloat16")]
 BIG_CONCURRENCY = 16
 DTYPE = "bfloat16" if not DRY else "float32"  # activations (the CPU's exact path in the dry run)
@@ -118,20 +117,31 @@ def seeded_batch_invariance(report, llm, key):
                 f"{report.verdict(repeat_ok)}; alone as in a batch of 64: {'same' if same else 'DIFFERENT'}")
 
 
-def part_llm(report):
+def part_llm(report, weights):
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         start = time.perf_counter()
         folder = write_model("smollm2-135m", os.path.join(tmp, "smollm2-135m"), DRY, DEVICE)
         report.line(f"  wrote a random SmolLM2-135M{' (dry: tiny)' if DRY else ''} in "
                     f"{time.perf_counter() - start:.1f} s")
-        for weights in FORMATS:
-            llm = load(report, folder, weights)
-            try:
-                run_model(report, llm, f"smollm2-135m/{weights}", CONCURRENCY, profile=weights == "int4")
-                seeded_batch_invariance(report, llm, f"smollm2-135m/{weights}")
-            finally:
-                llm.shutdown()
-                del llm
+        llm = load(report, folder, weights)
+        try:
+            run_model(report, llm, f"smollm2-135m/{weights}", CONCURRENCY, profile=weights == "int4")
+            seeded_batch_invariance(report, llm, f"smollm2-135m/{weights}")
+        finally:
+            llm.shutdown()
+
+
+# one part per weight format: each under its own timeout, so a hang in one keeps the others' figures
+def part_llm_bfloat16(report):
+    part_llm(report, "bfloat16")
+
+
+def part_llm_int8(report):
+    part_llm(report, "int8")
+
+
+def part_llm_int4(report):
+    part_llm(report, "int4")
 
 
 def part_llm_big(report):
