@@ -40,10 +40,12 @@ def load(report, folder, weights):
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, compiled_before = time.perf_counter(), triton_compiled_count()
     llm = LLM(model=folder, dtype=DTYPE, device=DEVICE, weights=weights, max_num_seqs=64)
+    compiled = _diff(triton_compiled_count(), compiled_before)  # kernels built at load (none, or every bucket)
+    report.data.setdefault("llm", {})[f"{os.path.basename(folder)}/{weights}"] = {"compiled_at_load": compiled}
     report.line(f"  {os.path.basename(folder)} {weights}: loaded in {time.perf_counter() - start:.1f} s "
-                f"({llm.model.kernel} kernels)")
+                f"({llm.model.kernel} kernels; Triton kernels compiled at load: {compiled})")
     return llm
 
 
