@@ -94,7 +94,7 @@ def run_part(name: str, out_path: str) -> int:
         report.save(out_path)
 
 
-def part_env(device: str) -> dict:
+def child_env(device: str) -> dict:
     env = dict(os.environ, GPU_CHECK_DEVICE=device, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     if device == "cpu":
@@ -108,14 +108,14 @@ def launch(name: str, device: str, timeout_s: float, workdir: Path) -> dict:
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--run-part", name, str(out_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=part_env(device), cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env(device), cwd=ROOT,
                                 start_new_session=True)
         try:
             code = proc.wait(max(timeout_s - KILL_GRACE_S, 0.1))
             status = "ok" if code == 0 else f"error (exit {code})"
         except subprocess.TimeoutExpired:
             status = f"timeout after {timeout_s:g} s"
-            kill_group(proc)
+        kill_group(proc)  # also what an ended part left behind in its group
     part = {"status": status, "seconds": round(time.perf_counter() - start, 1), "timeout_s": timeout_s}
     if out_path.exists():
         part.update(json.loads(out_path.read_text()))
