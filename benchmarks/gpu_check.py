@@ -22,11 +22,12 @@ notes record, Triton compiles at ~1 s each on a cold cache, and the CPU host's P
 |--------------|------------------------------------------------------------------|--------|---------|
 | env          | versions, the card, which dependencies import, nvidia-smi         | ~6 s   | 15 s    |
 | node         | read-only NVML / MIG / MPS probes kept as recorded outputs       | ~8 s   | 20 s    |
-| kernels      | copy and bf16-matmul peaks; paged attention (6 shapes x 6 checks, | ~50 s  | 80 s    |
+| kernels      | copy and bf16-matmul peaks; paged attention (6 shapes x 6 checks, | ~50 s  | 75 s    |
 |              | ~40 compiles) vs torch; decode GB/s, prefill TFLOP/s, cache write |        |         |
-| quant        | int8/int4 matmuls vs torch (24 checks), tile sweep (30 compiles), | ~45 s  | 65 s    |
+| quant        | int8/int4 matmuls vs torch (24 checks), tile sweep (30 compiles), | ~45 s  | 60 s    |
 |              | timed at M=1/16/64/512 on 3 Llama-3-8B weights (<= ~1 ms a call) |        |         |
-| lora         | the LoRA kernel vs torch in bf16 and fp32, timed                 | ~8 s   | 20 s    |
+| lora         | the LoRA kernel vs torch in bf16 and fp32, timed; the engine with | ~18 s  | 30 s    |
+|              | 8 random adapters + base rows at c=16 (base rows must not change) |        |         |
 | sampling     | the batched sampler at batch 64 x 49,152: seeds, penalties, syncs | ~8 s   | 20 s    |
 | llm_bfloat16 | LLM on SmolLM2-135M (random weights) at c=1/16/64, 128 tokens:    | ~25 s  | 40 s    |
 | llm_int8     | each ~3 s to write and load, warm-up compiles (~5-15 s), ~6 s     | ~20 s  | 40 s    |
@@ -58,9 +59,9 @@ ROOT = HERE.parent
 PARTS = {
     "env": ("gpu_check_node", "part_env", 15),
     "node": ("gpu_check_node", "part_node", 20),
-    "kernels": ("gpu_check_attention", "part_kernels", 80),
-    "quant": ("gpu_quant_check", "part_quant_matmul", 65),
-    "lora": ("gpu_check_lora_sampling", "part_lora", 20),
+    "kernels": ("gpu_check_attention", "part_kernels", 75),
+    "quant": ("gpu_quant_check", "part_quant_matmul", 60),
+    "lora": ("gpu_check_lora_sampling", "part_lora", 30),
     "sampling": ("gpu_check_lora_sampling", "part_sampling", 20),
     "llm_bfloat16": ("gpu_check_llm", "part_llm_bfloat16", 40),
     "llm_int8": ("gpu_check_llm", "part_llm_int8", 40),

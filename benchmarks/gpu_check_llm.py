@@ -16,7 +16,7 @@ import time
 import torch
 
 from gpu_check_common import DEVICE, DRY, triton_compiled_count
-from gpu_check_models import write_model
+from gpu_check_models import write_adapter, write_model
 
 CONCURRENCY = [1, 16, 64]
 GEN_TOKENS = 128 if not DRY else 4
@@ -129,6 +129,40 @@ def part_llm(report, weights):
         try:
             run_model(report, llm, f"smollm2-135m/{weights}", CONCURRENCY, profile=weights == "int4")
             seeded_batch_invariance(report, llm, f"smollm2-135m/{weights}")
+        finally:
+            llm.shutdown()
+
+
+def lora_serving(report, adapters=8, concurrency=16):
+    """The engine with LoRA: SmolLM2-135M (bf16) and ``adapters`` random adapters, ``concurrency``
+    greedy requests of which every fourth is on the base alone: those must give the base's tokens
+    (the adapters' rows add nothing to theirs); the others are timed beside the base alone."""
+    from gpushare import SamplingParams
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        folder = write_model("smollm2-135m", os.path.join(tmp, "smollm2-135m"), DRY, DEVICE)
+        llm = load(report, folder, "bfloat16")
+        try:
+            for i in range(adapters):
+                llm.load_adapter(f"a{i}", write_adapter("smollm2-135m", os.path.join(tmp, f"a{i}"), DRY, seed=i))
+            names = [None if i % 4 == 0 else f"a{i % adapters}" for i in range(concurrency)]
+            params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts(concurrency), params, adapter=names)  # warm-up
+            timed = {}
+            for label, adapter in (("base alone", None), (f"{adapters} adapters", names)):
+                start = time.perf_counter()
+                outs = llm.generate(prompts(concurrency), params, adapter=adapter)
+                timed[label] = (outs, time.perf_counter() - start)
+            base, _ = timed["base alone"]
+            mixed, _ = timed[f"{adapters} adapters"]
+            base_rows_ok = all(mixed[i].token_ids == base[i].token_ids for i, n in enumerate(names) if n is None)
+            changed = sum(mixed[i].token_ids != base[i].token_ids for i, n in enumerate(names) if n is not None)
+            for label, (outs, seconds) in timed.items():
+                tokens = sum(len(o.token_ids) for o in outs)
+                report.data.setdefault("lora_serving", {})[label] = tokens / seconds
+                report.line(f"  engine, concurrency {concurrency}, {label}: {tokens / seconds:.0f} tok/s")
+            report.line(f"  base rows beside adapter rows give the base's tokens: {report.verdict(base_rows_ok)}; "
+                        f"adapter rows that differ from the base: {changed} of {len(names) - names.count(None)}")
         finally:
             llm.shutdown()
 

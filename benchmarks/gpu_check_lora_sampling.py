@@ -1,7 +1,8 @@
 """The ``lora`` and ``sampling`` parts of benchmarks/gpu_check.py.
 
 lora: the batched LoRA kernel against its torch path (rows of eight adapters and of none in one
-batch), timed in GB/s of adapter weights read and TFLOP/s.
+batch), timed in GB/s of adapter weights read and TFLOP/s; then the engine serving eight random
+adapters and the base in one batch (gpu_check_llm.lora_serving).
 sampling: the engine's batched sampler on device logits at batch 64 (greedy, top-k, top-p, min-p,
 the three penalties, seeds mixed in one batch): a seeded row draws the same token twice and alone as
 in the batch, a penalty moves the token it must, the host syncs of one call are counted
@@ -54,6 +55,9 @@ def part_lora(report):
                                                  "gbps": weight_bytes / seconds / 1e9, "tflops": tflops}
         report.line(f"    {seconds * 1e6:.1f} us: {against(weight_bytes / seconds / 1e9, gbps_peak, 'GB/s')} of "
                     f"adapter weights, {tflops:.2f} TFLOP/s")
+    from gpu_check_llm import lora_serving
+
+    lora_serving(report)
 
 
 def sampling_rows(batch, vocab, gen):

@@ -113,6 +113,33 @@ def write_model(name: str, folder: str, dry: bool, device: str) -> str:
     return folder
 
 
+def write_adapter(name: str, folder: str, dry: bool, seed: int, rank: int = 16) -> str:
+    """A random PEFT LoRA folder for the model ``name``: every attention and MLP matrix, ``rank``,
+    alpha 2 * rank, B drawn as A is (PEFT starts B at zero: an adapter that did nothing would hide a
+    kernel that dropped it)."""
+    from safetensors.torch import save_file
+
+    config = config_for(name, dry)
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (hidden, q_out), "self_attn.k_proj": (hidden, kv_out),
+              "self_attn.v_proj": (hidden, kv_out), "self_attn.o_proj": (q_out, hidden),
+              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        for target, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{i}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * fan_in ** -0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * rank ** -0.5 / 4
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "base_model_name_or_path": name,
+                   "target_modules": [t.split(".")[1] for t in shapes]}, f)
+    return folder
+
+
 def tokenizer_from_gguf(gguf_path: str) -> None:
     """Write TOKENIZER_GZ and TOKENIZER_CONFIG from a SmolLM2 GGUF (reproducible bytes: no gzip time stamp)."""
     from gpushare.catalog.gguf_reader import read_gguf_file
