@@ -49,9 +49,13 @@ def part_quant_matmul(report):
                     out = getattr(tri_ops, fn)(x, *weight)
                     err = relative_error(out, getattr(ref_ops, fn)(x.float(), *weight))
                     alone = torch.cat([getattr(tri_ops, fn)(x[i:i + 1], *weight) for i in range(min(m, 8))])
-                    same = "rows bit-identical" if torch.equal(alone, out[:len(alone)]) else \
+                    invariant = torch.equal(alone, out[:len(alone)])
+                    same = "rows bit-identical" if invariant else \
                         f"rows DIFFER alone (max {(alone.float() - out[:len(alone)].float()).abs().max():.1e})"
-                    verdict = report.verdict(err <= TOLERANCE[dtype] and not out.isnan().any())
+                    # batch invariance is the kernel's promise on a GPU; under the interpreter (dots in
+                    # numpy) float32 rows were seen to differ in their last bits, so there it is reported only
+                    verdict = report.verdict(err <= TOLERANCE[dtype] and not out.isnan().any()
+                                             and (invariant or DRY))
                     report.line(f"  {name} {str(dtype)[6:]:9s} M={m:<4d} N={n} K={k:<5d} g={group_size:<4d} "
                                 f"err={err:.2e} (tol {TOLERANCE[dtype]:.0e}) {same} {verdict}")
                 except Exception as e:  # one broken check must not hide the others
