@@ -18,7 +18,7 @@ endif
 endif
 N ?= 5
 
-.PHONY: setup serve test test-all test-repeat bench
+.PHONY: setup serve test test-all test-repeat bench gpu-check gpu-check-dry gpu-check-wheels
 
 .venv/.setup-done: pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -59,3 +59,23 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# The device check for a lent GPU machine (benchmarks/gpu_check.py; README's GPU section). It has no
+# .venv there: the machine's python3 holds torch and Triton, gpushare is this checkout (PYTHONPATH).
+# Wheels in $(GPU_CHECK_WHEELS) (`make gpu-check-wheels` here, carried along) are installed first.
+GPU_PY ?= python3
+GPU_CHECK_WHEELS := benchmarks/results/gpu_check_wheels
+gpu-check:
+	@site=; if ls $(GPU_CHECK_WHEELS)/*.whl >/dev/null 2>&1; then site=/tmp/gpu-check-site; \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $$site \
+		$(GPU_CHECK_WHEELS)/*.whl || exit 1; fi; \
+	PYTHONPATH=$(CURDIR)$${site:+:$$site} $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Every part of the check on this CPU, tiny shapes, Triton interpreted: a typo shows here, not on the card.
+gpu-check-dry: setup
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py --device cpu
+
+# orjson for Python 3.12 on x86-64 (the lent machines'; the daemon imports it), ~130 KB.
+gpu-check-wheels:
+	$(GPU_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_CHECK_WHEELS) orjson
