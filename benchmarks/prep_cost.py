@@ -10,16 +10,21 @@ rendered in a template child (api/template_runner.render, the path every chat ta
 comparison, in this process (catalog/chat_template.render), and the text tokenised. Each is timed
 over ``--requests`` distinct chats (median and p99, microseconds); then the whole preparation of
 a burst of them through a pool of WORK_THREADS threads (requests/s), which is the rate the engine
-can be handed new requests at. Run it with nothing else on the machine.
+can be handed new requests at. With ``--url`` of a running daemon, also the same burst sent at once as
+Anthropic token counts (/v1/messages/count_tokens: HTTP, the work queue and the whole preparation,
+no engine): the daemon's own rate. Run it with nothing else on the machine.
 """
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perplexity import find_gguf  # noqa: E402
@@ -65,10 +70,26 @@ def prepare(model, source, limits, chunks) -> list[int]:
     return model.tokenizer.encode(text, add_special_tokens=False)
 
 
+async def counted_at_once(url: str, model: str, n: int) -> tuple[float, int]:
+    """(seconds, answers that were 200) for ``n`` token counts sent at once."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(i: int) -> int:
+            body = {"model": model, "messages": [{"role": "user", "content": f"Question {i}: what is {i} times 7?"}]}
+            async with session.post(url + "/v1/messages/count_tokens", json=body) as resp:
+                await resp.read()
+                return resp.status
+        await one(-1)
+        started = time.perf_counter()
+        statuses = await asyncio.gather(*(one(i) for i in range(n)))
+        return time.perf_counter() - started, statuses.count(200)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gguf", default=None, help="a GGUF; default: the bundled SmolLM2-135M")
     parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--url", default=None, help="also a burst of token counts to this running daemon")
+    parser.add_argument("--model", default="smollm2:135m", help="the model --url serves")
     args = parser.parse_args()
     model = load_model_head(args.gguf or find_gguf(), "auto")
     source, limits = model.template_source, LimitSettings()
@@ -97,6 +118,10 @@ def main() -> None:
             took = time.perf_counter() - started
         print(f"whole preparation, {threads} thread(s): {args.requests / took:8.0f} requests/s "
               f"({took * 1e3:.0f} ms for {args.requests})")
+    if args.url:
+        took, ok = asyncio.run(counted_at_once(args.url.rstrip("/"), args.model, args.requests))
+        print(f"daemon, {args.requests} token counts at once: {args.requests / took:8.0f} requests/s "
+              f"({took * 1e3:.0f} ms, {ok} answered 200)")
 
 
 if __name__ == "__main__":
