@@ -11,7 +11,8 @@ never ran it; llama-server: ``--parallel`` equal to the concurrency, restarted f
 ``--parallel`` equal to its size). Then 16 clients send the run_all workload (32-128 words in,
 32-128 tokens out, ignore_eos) back to back for ``--minutes`` minutes, and each minute's output tok/s
 (the tokens streamed in that minute) and TTFT p50 (of the requests started in it) are recorded:
-whether the first minute is as fast as the tenth. Then each burst: that many requests at once, on
+whether the first minute is as fast as the tenth (with the server's RSS and, for gpushare, its KV blocks
+cached at each minute's end: the prefix cache fills the KV pool with new memory first). Then each burst: that many requests at once, on
 the warm server: answered, refused, output tok/s, TTFT p50/p99. Prints a table, writes
 benchmarks/results/STAMP-first-minutes.json. Run it with nothing else on the machine.
 """
@@ -29,6 +30,7 @@ import tempfile
 import time
 
 import aiohttp
+import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from latency_stats import summarize_ms  # noqa: E402
@@ -41,9 +43,28 @@ CONCURRENCY = 16
 MINUTE_S = 60.0
 
 
-async def closed_loop(url: str, model: str, clients: int, duration_s: float, seed: int) -> list:
+async def memory_now(session: aiohttp.ClientSession, url: str, pid: int) -> dict:
+    """The server's RSS (its process and children) and, from gpushare's /metrics, its KV blocks cached
+    and used: a ramp that ends when the KV pool has filled (every new block in memory not touched
+    before) shows here."""
+    tree = psutil.Process(pid)
+    rss = sum(p.memory_info().rss for p in [tree, *tree.children(recursive=True)])
+    kv = {}
+    try:
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+        for name in ("gpushare_kv_blocks_cached", "gpushare_kv_blocks_used"):
+            kv[name.removeprefix("gpushare_")] = sum(float(line.split()[-1]) for line in text.splitlines()
+                                                     if line.startswith(name + "{"))
+    except aiohttp.ClientError:
+        pass
+    return {"rss_bytes": rss, **kv}
+
+
+async def closed_loop(url: str, model: str, clients: int, duration_s: float, seed: int, pid: int) -> tuple:
     """``clients`` workers, each sending the next request of the workload as soon as its last ended,
-    until ``duration_s`` has passed; every request's timeline (perf_counter times)."""
+    until ``duration_s`` has passed: every request's timeline (perf_counter times), and the server's
+    memory at the end of each minute (``memory_now``)."""
     workload = make_workload(4096, FULL.input_len, FULL.output_len, seed)
     body = lambda p, n: {"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": n,  # noqa: E731
                          "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
@@ -56,8 +77,14 @@ async def closed_loop(url: str, model: str, clients: int, duration_s: float, see
             while time.perf_counter() < deadline:
                 prompt, max_tokens = workload[next(next_item) % len(workload)]
                 timelines.append(await stream_one(session, chat_url(url), body(prompt, max_tokens)))
-        await asyncio.gather(*(worker() for _ in range(clients)))
-    return timelines
+        async def sampler():
+            while time.perf_counter() + MINUTE_S <= deadline + 1:
+                await asyncio.sleep(MINUTE_S)
+                samples.append(await memory_now(session, url, pid))
+
+        samples: list[dict] = []
+        await asyncio.gather(*(worker() for _ in range(clients)), sampler())
+    return timelines, samples
 
 
 def per_minute(timelines: list, t0: float, minutes: int) -> list[dict]:
@@ -126,12 +153,16 @@ def run_system(name: str, args, log_dir: str) -> dict:
             out["serving"] = serving_formats(url)
         print(f"{name}: up in {out['start_s']:.1f}s; c={CONCURRENCY} for {args.minutes} min", file=sys.stderr)
         t0 = time.perf_counter()
-        timelines = asyncio.run(closed_loop(url, MODEL_NAME, CONCURRENCY, args.minutes * MINUTE_S, args.seed))
-        out["minutes"] = per_minute(timelines, t0, args.minutes)
+        timelines, memory = asyncio.run(closed_loop(url, MODEL_NAME, CONCURRENCY, args.minutes * MINUTE_S, args.seed,
+                                                    systems[name]["process"].proc.pid))
+        out["minutes"] = [{**row, **sample} for row, sample in zip(per_minute(timelines, t0, args.minutes),
+                                                                    memory + [{}] * args.minutes)]
         out["ttft_ms_all"] = summarize_ms([tl.chunk_times_s[0] - tl.start_s for tl in timelines if tl.success])
         for row in out["minutes"]:
             print(f"  minute {row['minute']:2d}: {row['output_tok_s']:7.1f} tok/s  TTFT p50 "
-                  f"{row['ttft_ms_p50'] or float('nan'):7.0f} ms  failed {row['failed']}", file=sys.stderr)
+                  f"{row['ttft_ms_p50'] or float('nan'):7.0f} ms  failed {row['failed']}  RSS "
+                  f"{row.get('rss_bytes', 0) / 2**20:.0f} MiB  KV blocks cached {row.get('kv_blocks_cached', '-')}",
+                  file=sys.stderr)
         out["bursts"] = []
         for i, size in enumerate(args.bursts):
             if name != OURS and not start_llama_server(args, plan, args.gguf, log_dir, systems, size, binary):
