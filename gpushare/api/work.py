@@ -201,7 +201,7 @@ async def bounded(request: web.Request, what: str, fn, *args):
         _queue.release()
         budget.end_job(began)
         raise
-    done.add_done_callback(lambda _: loop.call_soon_threadsafe(_queue.release))  # its thread is free
+    done.add_done_callback(lambda _: _on_loop(loop, _queue.release))  # its thread is free
     try:
         return await asyncio.wait_for(asyncio.wrap_future(done), budget.left_s())
     except asyncio.TimeoutError:
@@ -214,6 +214,13 @@ async def bounded(request: web.Request, what: str, fn, *args):
         raise
     finally:
         budget.end_job(began)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop has closed (the daemon stopped while the job ran): nothing waits
+        pass
 
 
 class BodyBytes:
