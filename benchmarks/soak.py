@@ -10,7 +10,9 @@ prompts, then sends streaming chats for `--duration-s` (600), `--concurrency` (8
   attacks on the event loop (issue 34): 3,000 tools, a schema of 20,000 properties, a 64 MiB body
   of nested empty objects, token-id prompts of 400,000 and 150,000 ids, the never-ending template (waited for, or
   left after half a second);
-- the rest read their stream to the end.
+- the rest read their stream to the end;
+- with `--burst-every-s`, every so often `--burst-size` (512) plain streaming chats more are sent at
+  once (issue 67): each must be answered in full, none refused (the config's bounds hold 1,024).
 Meanwhile a poller asks /api/version every 20 ms: its slowest answer is the longest stall.
 Afterwards: no KV block may stay held, RSS (the daemon's and its engine workers', each time once
 the idle models have given their KV slabs back; the template children, a pool of at most four
@@ -21,6 +23,7 @@ probe's greedy answer must equal the one before. Exit status 1 when a check fail
 
     python benchmarks/soak.py                           # ten minutes and about two more
     python benchmarks/soak.py --duration-s 60 --json-out soak.json
+    python benchmarks/soak.py --burst-every-s 60            # and a burst of 512 every minute
 """
 
 from __future__ import annotations
@@ -263,6 +266,33 @@ async def one_request(session, base_url: str, i: int, rng: random.Random, args, 
         counts["completed"] += 1
 
 
+async def bursts(base_url: str, args, counts: dict, started: float) -> None:
+    """Every --burst-every-s until the run's end, --burst-size plain streaming chats at once, each read to
+    its end: counted as burst_completed, burst_refused (not 200) or burst_lost (a stream that broke)."""
+    connector = aiohttp.TCPConnector(limit=0)  # all at once: no cap of the client's own
+    async with aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def one(i: int) -> str:
+            try:
+                async with session.post(base_url + "/v1/chat/completions", json=chat_body(i, args.tokens)) as resp:
+                    if resp.status != 200:
+                        await resp.read()
+                        return "burst_refused"
+                    async for line in resp.content:
+                        if line.strip() == b"data: [DONE]":
+                            return "burst_completed"
+                    return "burst_lost"
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return "burst_lost"
+
+        first = 1_000_000  # prompts of their own, not the steady traffic's
+        while time.monotonic() - started + args.burst_every_s < args.duration_s:
+            await asyncio.sleep(args.burst_every_s)
+            for outcome in await asyncio.gather(*(one(first + k) for k in range(args.burst_size))):
+                counts[outcome] += 1
+            first += args.burst_size
+
+
 async def add_slow_model(session: aiohttp.ClientSession, base_url: str) -> None:
     """"slow": bench with the never-ending template, created and loaded for good by the admin."""
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -299,7 +329,8 @@ async def run(args) -> dict:
         await wait_started(proc, session, base_url, log)
         await add_slow_model(session, base_url)
         rng = random.Random(args.seed)
-        counts = dict.fromkeys(("completed", "dropped", "hostile_4xx", "hostile_other", "failed"), 0)
+        counts = dict.fromkeys(("completed", "dropped", "hostile_4xx", "hostile_other", "failed", "burst_completed",
+                                "burst_refused", "burst_lost"), 0)
         warm = {**counts, "attacks": [], "t0": t0}
         counts.update(attacks=[], t0=t0)
         for i in range(args.warmup):
@@ -318,7 +349,8 @@ async def run(args) -> dict:
                     return
                 await one_request(session, base_url, i, rng, args, counts, attacks)
 
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)),
+                             *([bursts(base_url, args, counts, started)] if args.burst_every_s else []))
         elapsed_s = time.monotonic() - started
         stalls = poller_result(poller, t0, args.max_stall_s)
         held = None
@@ -344,6 +376,7 @@ async def run(args) -> dict:
             # A leak grows; RSS can also shrink (the kernel reclaims file-backed pages of the weights).
             "passed": held == 0 and rss_ratio - 1 <= args.rss_tolerance and probes_before == probes_after
             and counts["failed"] == 0 and counts["hostile_other"] == 0 and stalls["over"] == 0
+            and counts["burst_refused"] == 0 and counts["burst_lost"] == 0
             and stalls["failed"] == 0 and rss_after[2] <= MAX_TEMPLATE_CHILDREN}
 
 
@@ -358,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rss-tolerance", type=float, default=0.05)
     p.add_argument("--max-stall-s", type=float, default=0.25, help="the slowest /api/version answer allowed")
+    p.add_argument("--burst-every-s", type=float, default=0, help="a burst this often (default 0: none)")
+    p.add_argument("--burst-size", type=int, default=512, help="chats sent at once in each burst")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", help="also write the result as JSON here")
     args = parse_with_model(p, argv)
@@ -367,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{total} requests in {result['elapsed_s']:.0f}s: {c['completed']} completed, "
           f"{c['dropped']} dropped mid-stream, {c['hostile_4xx']} hostile refused with 4xx "
           f"({c['hostile_other']} otherwise), {c['failed']} failed")
+    if args.burst_every_s:
+        print(f"bursts of {args.burst_size}: {c['burst_completed']} answered in full, {c['burst_refused']} refused, "
+              f"{c['burst_lost']} lost")
     print(f"KV blocks held afterwards: {result['kv_blocks_held_after']}; RSS {result['rss_warm_bytes'] / 2**20:.0f} "
           f"-> {result['rss_after_bytes'] / 2**20:.0f} MiB ({(result['rss_ratio'] - 1) * 100:+.1f}%); "
           f"probe answers exact: {result['probes_exact']}")

@@ -4,7 +4,8 @@ Inference Extension kinds against their v1/v1alpha2 fields, and the wiring betwe
 selects the DaemonSet's pods on its container port, the probes ask /ready and /health, the grace
 period outlasts the drain, the ConfigMap passes gpushare's own config loader once the init step has
 written the Secret's keys' digests into it (and accepts no key before), the shipped placeholder keys
-are refused, and the Containerfile builds what the DaemonSet runs."""
+are refused, the Containerfile builds what the DaemonSet runs, the route sets or strips the gateway
+headers the daemon trusts, and a NetworkPolicy admits only the gateway and the picker to the pods' port."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpushare.api.gateway import FAIRNESS_HEADER, OBJECTIVE_HEADER
 from gpushare.api.gateway_metrics import GATEWAY_METRICS_PATH
+from gpushare.protocol.tenant_policy import PRIORITIES
 from gpushare.settings.settings import ConfigError, parse_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +109,7 @@ def test_every_kind_is_accounted_for():
     assert {"Namespace", "ServiceAccount", "ConfigMap", "Secret", "DaemonSet", "Service", "InferencePool",
             "InferenceObjective"} <= kinds
     assert kinds - {"Namespace", "ServiceAccount", "ConfigMap", "Secret", "DaemonSet", "Service", "Deployment",
-                    "Role", "RoleBinding"} == GIE_KINDS | GATEWAY_API_KINDS
+                    "Role", "RoleBinding", "NetworkPolicy"} == GIE_KINDS | GATEWAY_API_KINDS
 
 
 # The Inference Extension's fields (inference.networking.k8s.io/v1 InferencePool,
@@ -156,9 +159,9 @@ def test_the_pool_selects_the_daemonset_pods_on_the_container_port():
 
 def test_the_route_and_the_picker_point_at_the_pool():
     pool = one("InferencePool")
-    route_backends = [b for rule in one("HTTPRoute")["spec"]["rules"] for b in rule["backendRefs"]]
-    assert route_backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                               "name": pool["metadata"]["name"]}]
+    for rule in one("HTTPRoute")["spec"]["rules"]:
+        assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                        "name": pool["metadata"]["name"]}]
     ref = pool["spec"]["endpointPickerRef"]
     epp_service = one("Service", ref["name"])
     assert ref["port"]["number"] in {p["port"] for p in epp_service["spec"]["ports"]}
@@ -253,3 +256,44 @@ def test_the_containerfile_builds_what_the_daemonset_runs():
     pod_security = one("DaemonSet", "gpushare")["spec"]["template"]["spec"]["securityContext"]
     assert pod_security["runAsUser"] == 10001 and pod_security["runAsGroup"] == 10001
     assert daemon_container()["args"][0] == "serve"
+
+
+def test_every_route_rule_sets_or_strips_the_trusted_headers():
+    """The config trusts the gateway's headers, so none reaches a pod as a client sent it: each rule's
+    RequestHeaderModifier removes or sets both (Gateway API v1 fields), and what it sets is a priority."""
+    assert gpushare_config().server.trust_gateway_headers
+    rules = one("HTTPRoute")["spec"]["rules"]
+    for rule in rules:
+        (modifier,) = [f for f in rule.get("filters", []) if f["type"] == "RequestHeaderModifier"]
+        check_fields(modifier["requestHeaderModifier"], {"set", "add", "remove"}, set(), "requestHeaderModifier")
+        changed = modifier["requestHeaderModifier"]
+        assert not changed.get("add"), "add keeps what the client sent"
+        set_headers = {h["name"].lower(): h["value"] for h in changed.get("set", [])}
+        removed = {name.lower() for name in changed.get("remove", [])}
+        assert {FAIRNESS_HEADER, OBJECTIVE_HEADER} <= set(set_headers) | removed, rule
+        assert set(set_headers).isdisjoint(removed)
+        assert set_headers.get(OBJECTIVE_HEADER, PRIORITIES[-1]) in PRIORITIES
+    # Only the lowest priority is set by path: a client may lower its priority, never raise it.
+    assert {h["value"] for rule in rules for f in rule.get("filters", []) if f["type"] == "RequestHeaderModifier"
+            for h in f["requestHeaderModifier"].get("set", []) if h["name"] == OBJECTIVE_HEADER} <= {PRIORITIES[-1]}
+    assert any(m["path"]["value"] == "/" for rule in rules for m in rule["matches"])  # every path is covered
+
+
+def test_only_the_gateway_and_the_picker_reach_the_pods_port():
+    policy = one("NetworkPolicy", "gpushare")["spec"]
+    pod_labels = one("DaemonSet", "gpushare")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 11434}]
+    assert 11434 in {p["containerPort"] for p in daemon_container()["ports"]}
+    peers = rule["from"]
+    assert all("ipBlock" not in peer for peer in peers)
+    epp_labels = one("Deployment", "gpushare-epp")["spec"]["template"]["metadata"]["labels"]
+    gateway = one("HTTPRoute")["spec"]["parentRefs"][0]["name"]
+    picker = [p for p in peers if p.get("podSelector", {}).get("matchLabels", {}).items() <= epp_labels.items()
+              and "namespaceSelector" not in p]
+    gateways = [p for p in peers if p.get("podSelector", {}).get("matchLabels") ==
+                {"gateway.networking.k8s.io/gateway-name": gateway}]
+    assert len(picker) == len(gateways) == 1 and len(peers) == 2, peers
+    assert gateways[0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gpushare"}

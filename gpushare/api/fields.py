@@ -7,9 +7,10 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from gpushare.api.context import context
 from gpushare.api.errors import ApiError, bad_request
 from gpushare.api.limits import check_count, check_prompt_chars, json_depth_over, limits_of
-from gpushare.api.work import bounded
+from gpushare.api.work import body_bytes, bounded
 from gpushare.settings.settings import ConfigError, parse_duration_s
 from gpushare.settings.values import MAX_DURATION_S
 
@@ -29,22 +30,30 @@ async def read_json_object(request: web.Request) -> dict:
     """The body as a JSON object, or 4xx saying why it is not one (too big, too many values, nested too
     deep). Parsed in the work pool (api/work.py), after a bound on its size and on its values."""
     limits = limits_of(request)
-    chunks = await _read_body(request, limits.max_body_bytes)
-    body = await bounded(request, "parsing the request body", parse_json_object, chunks, limits)
+    with body_bytes.holding() as hold:  # until it is parsed: the node holds at most server.max_body_bytes_held
+        chunks = await _read_body(request, limits.max_body_bytes, hold,
+                                  context(request).settings.server.max_body_bytes_held)
+        body = await bounded(request, "parsing the request body", parse_json_object, chunks, limits)
     request[JSON_BODY] = body
     return body
 
 
-async def _read_body(request: web.Request, limit_bytes: int) -> list[bytes]:
-    """The body as it came, in pieces of at most 1 MiB (joined off the loop)."""
+async def _read_body(request: web.Request, limit_bytes: int, hold, held_limit_bytes: int) -> list[bytes]:
+    """The body as it came, in pieces of at most 1 MiB (joined off the loop); ``hold(size, held_limit_bytes)``
+    counts each piece against the node's bound before it is read (the declared length at once)."""
     too_big = ApiError(413, f"request body is larger than the limit of {limit_bytes} bytes (limits.max_body_bytes)")
-    if request.content_length is not None and request.content_length > limit_bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit_bytes:
         raise too_big
+    if declared is not None:
+        hold(declared, held_limit_bytes)
     chunks, size = [], 0
     async for chunk in request.content.iter_chunked(1 << 20):
         size += len(chunk)
         if size > limit_bytes:  # chunked, or a Content-Length that lied
             raise too_big
+        if declared is None or size > declared:
+            hold(len(chunk), held_limit_bytes)
         chunks.append(chunk)
     return chunks
 

@@ -7,7 +7,8 @@ Counted per request, labelled by model and tenant: requests by outcome, prompt, 
 and prefix-cache-hit tokens, time to first token, inter-token latency, the whole request's time
 (arrival to its last output) and its queue time (arrival to the engine's first batch with its
 prompt: the tenant's queue, a model load and the engine's waiting queue). Read at scrape
-time: the engine's queue depth, running sequences, KV blocks (used, free, cached, reserved)
+time: the work pool's running and queued jobs and the body bytes it holds; the engine's queue
+depth, running sequences, KV blocks (used, free, cached, reserved)
 and preemptions per model; KV use, reservation and limit per tenant; the models loaded;
 GPU memory and utilisation through NVML where a driver is present. Model loads (with their
 durations) and unloads are seen by sampling the registry every second and at each scrape (a
@@ -35,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpushare.api import gateway_metrics
+from gpushare.api import gateway_metrics, work
 from gpushare.api.context import ApiContext, context
 from gpushare.api.fields import JSON_BODY
 from gpushare.api.memory import memory_report
@@ -190,6 +191,13 @@ class StateCollector:
         yield GaugeMetricFamily("gpushare_models_loaded", "Models loaded now", value=len(self.ctx.registry.loaded()))
         yield GaugeMetricFamily("gpushare_http_requests_in_flight", "API requests being handled",
                                 value=self.ctx.in_flight)
+        queue = work.work_queue()
+        yield GaugeMetricFamily("gpushare_work_running", "Preparation jobs (parse, template, tokenise) running in "
+                                "the work pool", value=queue.running)
+        yield GaugeMetricFamily("gpushare_work_queued", "Preparation jobs waiting for a thread of the work pool "
+                                "(at most server.max_queued)", value=queue.queued)
+        yield GaugeMetricFamily("gpushare_body_bytes_held", "Request body bytes read and not yet parsed (at most "
+                                "server.max_body_bytes_held)", value=work.body_bytes.held)
         yield GaugeMetricFamily("gpushare_engine_last_tick_age_seconds", "Since the engine loop last turned",
                                 value=max(0.0, time.monotonic() - self.ctx.node.last_tick_s))
         yield from self._gpu_families()

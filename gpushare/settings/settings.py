@@ -40,7 +40,8 @@ TENSOR_PARALLEL_KEYS = ("tensor_parallel", "tensor_parallel_devices", "tensor_pa
 class ServerSettings:
     host: str = DEFAULT_HOST
     drain_timeout_s: float = 30.0
-    max_queued: int = 256  # per model, beyond the max_num_seqs that run at once
+    max_queued: int = 512  # per model beyond the max_num_seqs that run at once; and jobs waiting for the work pool
+    max_body_bytes_held: int = 512 << 20  # request bodies read and not yet parsed, node-wide (api/work.BodyBytes)
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S  # < 0: forever; 0: unload after each request
     min_keep_alive_s: float = 60.0  # with tenants, a shorter request keep_alive (> 0) needs an admin
     origins: list[str] = field(default_factory=list)  # browser origins allowed beyond the loopback defaults
@@ -97,7 +98,7 @@ class Settings:
 
 def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
-    reject_unknown(d, {"host", "drain_timeout", "max_queued", "keep_alive", "min_keep_alive", "origins",
+    reject_unknown(d, {"host", "drain_timeout", "max_queued", "max_body_bytes_held", "keep_alive", "min_keep_alive", "origins",
                        "write_timeout", "trust_gateway_headers", "open_gateway_metrics", "context_length",
                        "pull_rate_while_serving"}, "server.")
     s = ServerSettings()
@@ -110,6 +111,11 @@ def _read_server(raw: Any) -> ServerSettings:
             raise ConfigError(f"server.drain_timeout: must not be negative, got {d['drain_timeout']!r}")
     if "max_queued" in d:
         s.max_queued = non_negative_int(d["max_queued"], "server.max_queued")
+    if "max_body_bytes_held" in d:
+        s.max_body_bytes_held = parse_size_bytes(d["max_body_bytes_held"], "server.max_body_bytes_held")
+        if s.max_body_bytes_held <= 0:
+            raise ConfigError(f"server.max_body_bytes_held: must be a positive size like 512MiB, "
+                              f"got {d['max_body_bytes_held']!r}")
     if "keep_alive" in d:
         s.keep_alive_s = parse_duration_s(d["keep_alive"], "server.keep_alive")
     if "origins" in d:
