@@ -7,7 +7,8 @@
   huggingface_hub calls), recording the Authorization it gets.
 Every request is logged (`requests`: method, path, Range, Authorization, bytes sent). Faults for the
 tests: `cut_after[digest] = n` closes the connection after n bytes of that blob's next answer (once);
-`corrupt` holds digests served with one byte changed. A hostile registry's: `token_body_bytes` (the
+`corrupt` holds digests served with one byte changed; `held[digest]`, an Event, holds that blob's
+answers until it is set. A hostile registry's: `token_body_bytes` (the
 token service answers that many bytes, counting what it got to send in `token_sent`),
 `manifest_answers[(namespace, name, tag)] = (status, headers, body)` (a redirect, an error page), and
 an HfRepo's `listed` sizes (what the listing says, whatever is sent).
@@ -66,6 +67,7 @@ class Registry:
     corrupt: set[str] = field(default_factory=set)
     token: str | None = None  # when set: Docker's Bearer flow, /token hands out this
     on_blob: object = None  # called with the digest as a blob's answer starts (a test's hook)
+    held: dict[str, threading.Event] = field(default_factory=dict)  # a blob's answer waits until it is set
     bytes_per_s: float | None = None  # each answer's link speed (None: as fast as loopback goes)
     token_body_bytes: int | None = None  # the token service's answer: this many bytes of one JSON string
     token_sent: int = 0  # bytes of that answer written before the client hung up
@@ -154,6 +156,8 @@ class Registry:
         self.requests.append(seen)
         if self.on_blob is not None and digest:
             self.on_blob(digest)
+        if digest in self.held:
+            await asyncio.get_running_loop().run_in_executor(None, self.held[digest].wait, 120)
         size = data.stat().st_size if isinstance(data, Path) else len(data)
         start, end, status = 0, size, 200
         if seen.range:

@@ -109,6 +109,12 @@ def test_a_manifest_redirect_to_another_host_is_refused_and_error_pages_are_not_
     assert "A" * 300 not in line["error"] and len(line["error"]) < 600, len(line["error"])
 
 
+def stream_pull(daemon, model: str):
+    """POST /api/pull, its answer open: iterate it for the lines as they come."""
+    return urllib.request.urlopen(urllib.request.Request(daemon.url + "/api/pull", json.dumps(
+        {"model": model, "insecure": True}).encode(), method="POST"), timeout=300)
+
+
 def test_two_pulls_sharing_a_blob_share_its_download_and_leave_no_partial(daemon, registry):
     shared = os.urandom(4 << 20)
     first = registry.add_model("library", "share-a", "v1", shared, {"params": {"temperature": 0.1}})
@@ -116,16 +122,22 @@ def test_two_pulls_sharing_a_blob_share_its_download_and_leave_no_partial(daemon
     digest = first["layers"][0]["digest"]
     started = threading.Event()
     registry.on_blob = lambda d: d == digest and started.set()
-    registry.bytes_per_s = 4e6  # about a second: the second pull starts while the first downloads
+    registry.held[digest] = gate = threading.Event()  # the first pull is mid-blob until the second is too
     results = {}
     try:
         a = threading.Thread(target=lambda: results.setdefault("a", pull(daemon, f"{registry.host}/library/share-a:v1")))
         a.start()
         assert started.wait(60)
-        results["b"] = pull(daemon, f"{registry.host}/library/share-b:v1")
+        with stream_pull(daemon, f"{registry.host}/library/share-b:v1") as answer:
+            lines = []
+            while not any(line.get("digest") == digest for line in lines):  # b has its layers, a the blob
+                lines.append(json.loads(answer.readline()))
+            gate.set()
+            results["b"] = lines + [json.loads(line) for line in answer]
         a.join(300)
     finally:
-        registry.on_blob, registry.bytes_per_s = None, None
+        registry.on_blob = None
+        registry.held.pop(digest).set()
     assert results["a"][-1] == {"status": "success"} and results["b"][-1] == {"status": "success"}, results
     assert sum(r.sent for r in registry.blob_requests(digest)) == len(shared)  # fetched once
     assert not [p.name for p in (daemon.models_dir / "blobs").iterdir() if "partial" in p.name]
@@ -135,10 +147,11 @@ def test_two_pulls_sharing_a_blob_share_its_download_and_leave_no_partial(daemon
 
 def test_pulls_beyond_max_pulls_wait_their_turn_saying_so_then_finish(daemon, registry):
     models = [f"queue-{i}" for i in range(MAX_PULLS + 1)]
-    digests = [registry.add_model("library", m, "v1", os.urandom(2 << 20))["layers"][0]["digest"] for m in models]
+    digests = [registry.add_model("library", m, "v1", os.urandom(1 << 20))["layers"][0]["digest"] for m in models]
     downloading = threading.Semaphore(0)
     registry.on_blob = lambda d: d in digests[:MAX_PULLS] and downloading.release()
-    registry.bytes_per_s = 2e6  # a second or so each: the first MAX_PULLS are under way when the last asks
+    gate = threading.Event()  # the first MAX_PULLS stay mid-blob until the last has asked
+    registry.held.update({d: gate for d in digests[:MAX_PULLS]})
     results = {}
     try:
         threads = [threading.Thread(target=lambda m=m: results.setdefault(m, pull(daemon, f"{registry.host}/library/{m}:v1")))
@@ -147,15 +160,17 @@ def test_pulls_beyond_max_pulls_wait_their_turn_saying_so_then_finish(daemon, re
             t.start()
         for _ in range(MAX_PULLS):
             assert downloading.acquire(timeout=60)
-        request = urllib.request.Request(daemon.url + "/api/pull", json.dumps(
-            {"model": f"{registry.host}/library/{models[-1]}:v1", "insecure": True}).encode(), method="POST")
-        with urllib.request.urlopen(request, timeout=300) as answer:
+        with stream_pull(daemon, f"{registry.host}/library/{models[-1]}:v1") as answer:
             first = json.loads(answer.readline())
+            gate.set()
             rest = [json.loads(line) for line in answer]
         for t in threads:
             t.join(300)
     finally:
-        registry.on_blob, registry.bytes_per_s = None, None
+        registry.on_blob = None
+        gate.set()
+        for d in digests:
+            registry.held.pop(d, None)
     assert first["status"].startswith("queued") and f"max_pulls {MAX_PULLS}" in first["status"], first
     assert rest[-1] == {"status": "success"}, rest[-3:]
     assert all(results[m][-1] == {"status": "success"} for m in models[:MAX_PULLS]), results
