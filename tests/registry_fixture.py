@@ -7,8 +7,9 @@
   huggingface_hub calls), recording the Authorization it gets.
 Every request is logged (`requests`: method, path, Range, Authorization, bytes sent). Faults for the
 tests: `cut_after[digest] = n` closes the connection after n bytes of that blob's next answer (once);
-`corrupt` holds digests served with one byte changed; `held[digest]`, an Event, holds that blob's
-answers until it is set. A hostile registry's: `token_body_bytes` (the
+`corrupt` holds digests served with one byte changed; `held[key]`, an Event, holds the answers for
+that key (a blob's digest, a Hugging Face file's `user/repo/file`) until it is set; `on_blob(key)`
+is called as one starts. A hostile registry's: `token_body_bytes` (the
 token service answers that many bytes, counting what it got to send in `token_sent`),
 `manifest_answers[(namespace, name, tag)] = (status, headers, body)` (a redirect, an error page), and
 an HfRepo's `listed` sizes (what the listing says, whatever is sent).
@@ -66,7 +67,7 @@ class Registry:
     cut_after: dict[str, int] = field(default_factory=dict)
     corrupt: set[str] = field(default_factory=set)
     token: str | None = None  # when set: Docker's Bearer flow, /token hands out this
-    on_blob: object = None  # called with the digest as a blob's answer starts (a test's hook)
+    on_blob: object = None  # called with the key (digest, user/repo/file) as a file's answer starts
     held: dict[str, threading.Event] = field(default_factory=dict)  # a blob's answer waits until it is set
     bytes_per_s: float | None = None  # each answer's link speed (None: as fast as loopback goes)
     token_body_bytes: int | None = None  # the token service's answer: this many bytes of one JSON string
@@ -151,13 +152,14 @@ class Registry:
         return web.Response(body=body, content_type="application/vnd.docker.distribution.manifest.v2+json")
 
     async def _send_file(self, request: web.Request, data: Path | bytes, digest: str | None,
-                         headers: dict | None = None) -> web.StreamResponse:
+                         headers: dict | None = None, key: str | None = None) -> web.StreamResponse:
         seen = Seen(request.method, request.path, request.headers.get("Range"), request.headers.get("Authorization"))
         self.requests.append(seen)
-        if self.on_blob is not None and digest:
-            self.on_blob(digest)
-        if digest in self.held:
-            await asyncio.get_running_loop().run_in_executor(None, self.held[digest].wait, 120)
+        key = key or digest
+        if self.on_blob is not None and key:
+            self.on_blob(key)
+        if key in self.held:
+            await asyncio.get_running_loop().run_in_executor(None, self.held[key].wait, 120)
         size = data.stat().st_size if isinstance(data, Path) else len(data)
         start, end, status = 0, size, 200
         if seen.range:
@@ -223,7 +225,8 @@ class Registry:
                                      headers={"X-Error-Code": "EntryNotFound"})
         raw = repo.raw(filename)
         etag = hashlib.sha256(raw).hexdigest() if filename.endswith(".safetensors") else hashlib.sha1(raw).hexdigest()
-        return await self._send_file(request, path, None, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'})
+        return await self._send_file(request, path, None, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'},
+                                     key=f"{request.match_info['user']}/{request.match_info['repo']}/{filename}")
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -145,6 +145,35 @@ def test_two_pulls_sharing_a_blob_share_its_download_and_leave_no_partial(daemon
     assert {f"{registry.host}/library/share-a:v1", f"{registry.host}/library/share-b:v1"} <= names
 
 
+def test_two_names_of_one_hugging_face_commit_pulled_at_once_both_succeed(daemon, registry):
+    weights = os.urandom(1 << 20)
+    repo = registry.hf_repos["testuser/twin"] = HfRepo({"config.json": b'{"model_type": "llama"}',
+                                                        "model.safetensors": weights})
+    key = "testuser/twin/model.safetensors"
+    started = threading.Event()
+    registry.on_blob = lambda k: k == key and started.set()
+    registry.held[key] = gate = threading.Event()  # the first pull is mid-file until the second has its listing
+    results = {}
+    try:
+        a = threading.Thread(target=lambda: results.setdefault("a", pull(daemon, "hf.co/testuser/twin")))
+        a.start()
+        assert started.wait(60)
+        with stream_pull(daemon, "hf.co/testuser/twin:main") as answer:  # the same commit: the same staging
+            lines = []
+            while not any(line.get("total") == len(weights) for line in lines):
+                lines.append(json.loads(answer.readline()))
+            gate.set()
+            results["b"] = lines + [json.loads(line) for line in answer]
+        a.join(300)
+    finally:
+        registry.on_blob = None
+        registry.held.pop(key).set()
+    assert results["a"][-1] == {"status": "success"} and results["b"][-1] == {"status": "success"}, results
+    assert len([r for r in registry.requests if r.path.startswith("/testuser/twin/resolve/")
+                and r.path.endswith("/model.safetensors")]) == 1  # fetched once
+    assert not (daemon.models_dir / ".hf-partial" / f"testuser--twin--{repo.sha}").exists()
+
+
 def test_pulls_beyond_max_pulls_wait_their_turn_saying_so_then_finish(daemon, registry):
     models = [f"queue-{i}" for i in range(MAX_PULLS + 1)]
     digests = [registry.add_model("library", m, "v1", os.urandom(1 << 20))["layers"][0]["digest"] for m in models]

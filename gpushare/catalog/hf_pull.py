@@ -125,7 +125,9 @@ def _store_file(root: Path, path: Path, expected: str | None) -> str:
     return digest
 
 
-async def pull_folder(pull, root: Path, remote: Remote, not_gguf: RegistryError, cap_of=lambda: None) -> None:
+async def pull_folder(pull, root: Path, remote: Remote, not_gguf: RegistryError, cap_of, fetching) -> None:
+    """The repo into the store; ``fetching`` (pull.Fetching) keeps a second pull of the same commit
+    (another tag naming it) out of the staging folder until the first is done with it."""
     revision, files = await _list_files(Remote(pull.name, remote.session), not_gguf)
     sizes = {f: size for f, size, _ in files}
     expected = {f: sha for f, _, sha in files}
@@ -133,15 +135,21 @@ async def pull_folder(pull, root: Path, remote: Remote, not_gguf: RegistryError,
     pull.layers = [LayerProgress(expected[f] or f, sizes[f]) for f, _, _ in files]
     pull.step("downloading")
     pull.mark_checked()
-    staging = _staging(root, pull.name, revision)
-    base = f"{pull.name.base_url}/{pull.name.repository}/resolve/{revision}/"
-    fetched = {f: staging / f for f, _, _ in files}
-    await download_files(pull.name, [(base + quote(f), fetched[f], layer) for (f, _, _), layer in
-                                     zip(files, pull.layers)], cap_of)
-    pull.step("verifying sha256 digest")
-    digests = {}
-    for filename, path in fetched.items():
-        digests[filename] = await run_low(_store_file, root, path, expected[filename])
+    async with fetching.alone(_staging(root, pull.name, revision)):
+        staging = _staging(root, pull.name, revision)  # again: the pull before may have removed it
+        base = f"{pull.name.base_url}/{pull.name.repository}/resolve/{revision}/"
+        digests, todo = {}, []
+        for (f, size, sha), layer in zip(files, pull.layers):
+            if sha and blob_store.has_blob(root, sha, size):  # in the store already (that pull's, or a model's)
+                digests[f], layer.completed = sha, size
+            else:
+                todo.append((base + quote(f), staging / f, layer))
+        await download_files(pull.name, todo, cap_of)
+        pull.step("verifying sha256 digest")
+        for f, _, sha in files:
+            if f not in digests:
+                digests[f] = await run_low(_store_file, root, staging / f, sha)
+        shutil.rmtree(staging)
     pull.step("writing manifest")
     config = json.dumps({"model_format": "safetensors", "repository": pull.name.repository,
                          "revision": revision, "files": digests}, sort_keys=True).encode()
@@ -154,4 +162,3 @@ async def pull_folder(pull, root: Path, remote: Remote, not_gguf: RegistryError,
                 "config": {"mediaType": FOLDER_MEDIA, "digest": config_digest, "size": len(config)},
                 "layers": layers}
     blob_store.write_manifest(root, pull.name.parts, json.dumps(manifest).encode())
-    shutil.rmtree(_staging(root, pull.name, revision))

@@ -21,6 +21,7 @@ seeing a `queued` line, in the order they came.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -80,6 +81,20 @@ class Fetching:
 
     def __init__(self):
         self.by_digest: dict[str, tuple[LayerProgress, asyncio.Future]] = {}
+        self.folders: dict[Path, asyncio.Future] = {}
+
+    @contextlib.asynccontextmanager
+    async def alone(self, folder: Path):
+        """The body runs with no other pull using ``folder`` (a Hugging Face staging folder, shared by
+        two names of one commit): it waits for one that is."""
+        while folder in self.folders:
+            await asyncio.wait({self.folders[folder]})
+        done = self.folders[folder] = asyncio.get_running_loop().create_future()
+        try:
+            yield
+        finally:
+            del self.folders[folder]
+            done.set_result(None)
 
 
 def check_manifest(body: bytes, name: PullName) -> list[tuple[str, str, int]]:
@@ -200,7 +215,7 @@ async def run_pull(pull: Pull, root: Path, cap_of=lambda: None, fetching: Fetchi
             except RegistryError as e:
                 if not (pull.name.is_hf and 400 <= e.status < 500 and e.status not in (401, 403)):
                     raise
-                await pull_folder(pull, root, remote, e, cap_of)  # a Hugging Face repo of safetensors, not GGUF
+                await pull_folder(pull, root, remote, e, cap_of, fetching)  # an HF repo of safetensors, not GGUF
             else:
                 await _pull_manifest(pull, root, remote, body, cap_of, fetching)
         pull.step("success")

@@ -139,6 +139,8 @@ async def verify(root: Path, layers: list[LayerProgress]) -> None:
 async def download_files(name: PullName, files: list[tuple[str, Path, LayerProgress]], cap_of=lambda: None) -> None:
     """Bring each (url, path, layer) file into its path, at most ``layer.total`` bytes of it
     (blob_download.fetch_file), in the pull's own process as `download` does."""
+    if not files:
+        return
     job = {"op": "files", "name": dataclasses.asdict(name),
            "files": [[url, str(path), layer.total, layer.digest] for url, path, layer in files],
            "max_retries": blob_download.MAX_RETRIES}
