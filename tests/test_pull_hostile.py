@@ -115,30 +115,38 @@ def stream_pull(daemon, model: str):
         {"model": model, "insecure": True}).encode(), method="POST"), timeout=300)
 
 
+def pull_two_at_once(daemon, registry, first: str, second: str, key: str, second_ready) -> tuple[list, list]:
+    """Pull ``first`` and, while its answer for ``key`` (a digest, user/repo/file) is held, ``second``,
+    until one of its lines passes ``second_ready`` (it has its layers); then let both go. Their lines."""
+    started = threading.Event()
+    registry.on_blob = lambda k: k == key and started.set()
+    registry.held[key] = gate = threading.Event()
+    results = {}
+    try:
+        a = threading.Thread(target=lambda: results.setdefault("a", pull(daemon, first)))
+        a.start()
+        assert started.wait(60)
+        with stream_pull(daemon, second) as answer:
+            lines = []
+            while not any(second_ready(line) for line in lines):
+                lines.append(json.loads(answer.readline()))
+            gate.set()
+            lines += [json.loads(line) for line in answer]
+        a.join(300)
+    finally:
+        registry.on_blob = None
+        registry.held.pop(key).set()
+    return results["a"], lines
+
+
 def test_two_pulls_sharing_a_blob_share_its_download_and_leave_no_partial(daemon, registry):
     shared = os.urandom(4 << 20)
     first = registry.add_model("library", "share-a", "v1", shared, {"params": {"temperature": 0.1}})
     registry.add_model("library", "share-b", "v1", shared, {"params": {"temperature": 0.2}})
     digest = first["layers"][0]["digest"]
-    started = threading.Event()
-    registry.on_blob = lambda d: d == digest and started.set()
-    registry.held[digest] = gate = threading.Event()  # the first pull is mid-blob until the second is too
-    results = {}
-    try:
-        a = threading.Thread(target=lambda: results.setdefault("a", pull(daemon, f"{registry.host}/library/share-a:v1")))
-        a.start()
-        assert started.wait(60)
-        with stream_pull(daemon, f"{registry.host}/library/share-b:v1") as answer:
-            lines = []
-            while not any(line.get("digest") == digest for line in lines):  # b has its layers, a the blob
-                lines.append(json.loads(answer.readline()))
-            gate.set()
-            results["b"] = lines + [json.loads(line) for line in answer]
-        a.join(300)
-    finally:
-        registry.on_blob = None
-        registry.held.pop(digest).set()
-    assert results["a"][-1] == {"status": "success"} and results["b"][-1] == {"status": "success"}, results
+    a, b = pull_two_at_once(daemon, registry, f"{registry.host}/library/share-a:v1",
+                            f"{registry.host}/library/share-b:v1", digest, lambda line: line.get("digest") == digest)
+    assert a[-1] == {"status": "success"} and b[-1] == {"status": "success"}, (a, b)
     assert sum(r.sent for r in registry.blob_requests(digest)) == len(shared)  # fetched once
     assert not [p.name for p in (daemon.models_dir / "blobs").iterdir() if "partial" in p.name]
     names = {m["name"] for m in http("GET", daemon.url + "/api/tags")[1]["models"]}
@@ -149,26 +157,10 @@ def test_two_names_of_one_hugging_face_commit_pulled_at_once_both_succeed(daemon
     weights = os.urandom(1 << 20)
     repo = registry.hf_repos["testuser/twin"] = HfRepo({"config.json": b'{"model_type": "llama"}',
                                                         "model.safetensors": weights})
-    key = "testuser/twin/model.safetensors"
-    started = threading.Event()
-    registry.on_blob = lambda k: k == key and started.set()
-    registry.held[key] = gate = threading.Event()  # the first pull is mid-file until the second has its listing
-    results = {}
-    try:
-        a = threading.Thread(target=lambda: results.setdefault("a", pull(daemon, "hf.co/testuser/twin")))
-        a.start()
-        assert started.wait(60)
-        with stream_pull(daemon, "hf.co/testuser/twin:main") as answer:  # the same commit: the same staging
-            lines = []
-            while not any(line.get("total") == len(weights) for line in lines):
-                lines.append(json.loads(answer.readline()))
-            gate.set()
-            results["b"] = lines + [json.loads(line) for line in answer]
-        a.join(300)
-    finally:
-        registry.on_blob = None
-        registry.held.pop(key).set()
-    assert results["a"][-1] == {"status": "success"} and results["b"][-1] == {"status": "success"}, results
+    # the same commit under two names: the same staging folder
+    a, b = pull_two_at_once(daemon, registry, "hf.co/testuser/twin", "hf.co/testuser/twin:main",
+                            "testuser/twin/model.safetensors", lambda line: line.get("total") == len(weights))
+    assert a[-1] == {"status": "success"} and b[-1] == {"status": "success"}, (a, b)
     assert len([r for r in registry.requests if r.path.startswith("/testuser/twin/resolve/")
                 and r.path.endswith("/model.safetensors")]) == 1  # fetched once
     assert not (daemon.models_dir / ".hf-partial" / f"testuser--twin--{repo.sha}").exists()
