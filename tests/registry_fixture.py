@@ -7,7 +7,12 @@
   huggingface_hub calls), recording the Authorization it gets.
 Every request is logged (`requests`: method, path, Range, Authorization, bytes sent). Faults for the
 tests: `cut_after[digest] = n` closes the connection after n bytes of that blob's next answer (once);
-`corrupt` holds digests served with one byte changed.
+`corrupt` holds digests served with one byte changed; `held[key]`, an Event, holds the answers for
+that key (a blob's digest, a Hugging Face file's `user/repo/file`) until it is set; `on_blob(key)`
+is called as one starts. A hostile registry's: `token_body_bytes` (the
+token service answers that many bytes, counting what it got to send in `token_sent`),
+`manifest_answers[(namespace, name, tag)] = (status, headers, body)` (a redirect, an error page), and
+an HfRepo's `listed` sizes (what the listing says, whatever is sent).
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ class Seen:
 
 @dataclass
 class HfRepo:
-    files: dict[str, Path]
+    files: dict[str, Path | bytes]
     sha: str = "0123456789abcdef0123456789abcdef01234567"
+    listed: dict[str, int] = field(default_factory=dict)  # a file's size as the listing gives it (a lie)
+
+    def raw(self, name: str) -> bytes:
+        data = self.files[name]
+        return data if isinstance(data, bytes) else data.read_bytes()
 
 
 def _read(data: Path | bytes, start: int, end: int) -> bytes:
@@ -57,8 +67,13 @@ class Registry:
     cut_after: dict[str, int] = field(default_factory=dict)
     corrupt: set[str] = field(default_factory=set)
     token: str | None = None  # when set: Docker's Bearer flow, /token hands out this
-    on_blob: object = None  # called with the digest as a blob's answer starts (a test's hook)
+    on_blob: object = None  # called with the key (digest, user/repo/file) as a file's answer starts
+    held: dict[str, threading.Event] = field(default_factory=dict)  # a blob's answer waits until it is set
     bytes_per_s: float | None = None  # each answer's link speed (None: as fast as loopback goes)
+    token_body_bytes: int | None = None  # the token service's answer: this many bytes of one JSON string
+    token_sent: int = 0  # bytes of that answer written before the client hung up
+    token_ended: threading.Event = field(default_factory=threading.Event)  # that answer is over
+    manifest_answers: dict[tuple[str, str, str], tuple[int, dict, bytes]] = field(default_factory=dict)
     port: int = 0
 
     @property
@@ -101,24 +116,50 @@ class Registry:
 
     async def _token(self, request: web.Request) -> web.Response:
         ok = request.query.get("service") == "test-registry" and request.query.get("scope") == "repository:pull"
+        if self.token_body_bytes is not None:
+            return await self._endless_token(request)
         return web.json_response({"token": self.token}) if ok else web.Response(status=400)
+
+    async def _endless_token(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})  # chunked: no length
+        await response.prepare(request)
+        self.token_sent = 0
+        piece = b'{"token": "' + b"x" * (CHUNK - 11)
+        try:
+            while self.token_sent < self.token_body_bytes:
+                await response.write(piece)
+                self.token_sent += len(piece)
+                piece = b"x" * CHUNK
+            await response.write(b'"}')
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):  # the client hung up (aiohttp says so either way)
+            pass
+        finally:
+            self.token_ended.set()
+        return response
 
     async def _manifest(self, request: web.Request) -> web.Response:
         self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
         if not self._authorized(request):
             return self._challenge()
         m = request.match_info
+        if (m["namespace"], m["name"], m["tag"]) in self.manifest_answers:
+            status, headers, body = self.manifest_answers[(m["namespace"], m["name"], m["tag"])]
+            return web.Response(status=status, headers=headers, body=body)
         body = self.manifests.get((m["namespace"], m["name"], m["tag"]))
         if body is None:
             return web.json_response({"errors": [{"code": "MANIFEST_UNKNOWN"}]}, status=404)
         return web.Response(body=body, content_type="application/vnd.docker.distribution.manifest.v2+json")
 
     async def _send_file(self, request: web.Request, data: Path | bytes, digest: str | None,
-                         headers: dict | None = None) -> web.StreamResponse:
+                         headers: dict | None = None, key: str | None = None) -> web.StreamResponse:
         seen = Seen(request.method, request.path, request.headers.get("Range"), request.headers.get("Authorization"))
         self.requests.append(seen)
-        if self.on_blob is not None and digest:
-            self.on_blob(digest)
+        key = key or digest
+        if self.on_blob is not None and key:
+            self.on_blob(key)
+        if key in self.held:
+            await asyncio.get_running_loop().run_in_executor(None, self.held[key].wait, 120)
         size = data.stat().st_size if isinstance(data, Path) else len(data)
         start, end, status = 0, size, 200
         if seen.range:
@@ -164,25 +205,28 @@ class Registry:
         if repo is None:
             return web.json_response({"error": "Repository not found"}, status=404)
         siblings = []
-        for name, path in repo.files.items():
-            raw = path.read_bytes()
-            entry = {"rfilename": name, "size": len(raw), "blobId": hashlib.sha1(raw).hexdigest()}
+        for name in repo.files:
+            raw = repo.raw(name)
+            size = repo.listed.get(name, len(raw))
+            entry = {"rfilename": name, "size": size, "blobId": hashlib.sha1(raw).hexdigest()}
             if name.endswith(".safetensors"):
-                entry["lfs"] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw), "pointerSize": 134}
+                entry["lfs"] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": size, "pointerSize": 134}
             siblings.append(entry)
         return web.json_response({"id": request.match_info["user"] + "/" + request.match_info["repo"],
                                   "sha": repo.sha, "siblings": siblings, "private": False})
 
     async def _hf_file(self, request: web.Request) -> web.StreamResponse:
         repo = self.hf_repos.get(f"{request.match_info['user']}/{request.match_info['repo']}")
-        path = repo and repo.files.get(request.match_info["file"])
+        filename = request.match_info["tail"].rpartition("/")[2]  # after the revision, whatever it holds
+        path = repo and repo.files.get(filename)
         if path is None:
             self.requests.append(Seen(request.method, request.path, None, request.headers.get("Authorization")))
             return web.json_response({"error": "Entry not found"}, status=404,
                                      headers={"X-Error-Code": "EntryNotFound"})
-        raw = path.read_bytes()
-        etag = hashlib.sha256(raw).hexdigest() if path.suffix == ".safetensors" else hashlib.sha1(raw).hexdigest()
-        return await self._send_file(request, path, None, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'})
+        raw = repo.raw(filename)
+        etag = hashlib.sha256(raw).hexdigest() if filename.endswith(".safetensors") else hashlib.sha1(raw).hexdigest()
+        return await self._send_file(request, path, None, {"X-Repo-Commit": repo.sha, "ETag": f'"{etag}"'},
+                                     key=f"{request.match_info['user']}/{request.match_info['repo']}/{filename}")
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -192,7 +236,7 @@ class Registry:
         app.router.add_get("/token", self._token)
         app.router.add_get("/api/models/{user}/{repo}", self._hf_info)
         app.router.add_get("/api/models/{user}/{repo}/revision/{revision}", self._hf_info)
-        app.router.add_get("/{user}/{repo}/resolve/{revision}/{file}", self._hf_file)
+        app.router.add_get("/{user}/{repo}/resolve/{tail:.+}", self._hf_file)
         return app
 
 

@@ -31,7 +31,8 @@ def build_app(ctx: ApiContext) -> web.Application:
     app.on_response_prepare.append(add_cors_headers)
     app[CONTEXT] = ctx
     apply_tenant_settings(ctx, ctx.settings)
-    ctx.pulls = Pulls(lambda: ctx.settings.models_dir, lambda: pull_cap_bytes_per_s(ctx))
+    ctx.pulls = Pulls(lambda: ctx.settings.models_dir, lambda: pull_cap_bytes_per_s(ctx),
+                      lambda: ctx.settings.server.max_pulls)
     app.on_cleanup.append(lambda _: ctx.pulls.close())
     ollama.add_routes(app)
     ollama_models.add_routes(app)

@@ -4,7 +4,8 @@
 then for each layer `{"status": "pulling <12 hex>", "digest", "total", "completed"}` as it grows,
 `verifying sha256 digest`, `writing manifest`, `success`. An error found before the first line
 (a bad or unknown name, a bad manifest, too little disk) is a plain HTTP error; after it, an
-`{"error"}` line. `"stream": false` answers the last line only. A second pull of a name
+`{"error"}` line. A pull waiting its turn (server.max_pulls) answers at once with a `queued: ...`
+line. `"stream": false` answers the last line only. A second pull of a name
 being pulled watches the first. With tenants, starting a pull and uploading blobs are
 admin-only, and so is asking whether a blob is stored; anyone may watch one under way. /api/blobs stores an upload under its digest
 once its SHA-256 matches (Ollama's clients upload the files of a `create` this way).
@@ -35,6 +36,11 @@ UPLOAD_CHUNK_BYTES = 1 << 20
 def _lines(pull: Pull, shown: dict) -> list[dict]:
     """The progress lines that changed since `shown` (updated)."""
     lines = []
+    if pull.queued and shown.get("queued") != pull.queued:
+        shown["queued"] = pull.queued
+        lines.append({"status": pull.queued})
+    if pull.queued:
+        return lines
     if "manifest" not in shown:
         shown["manifest"] = True
         lines.append({"status": "pulling manifest"})
@@ -86,9 +92,9 @@ async def pull(request: web.Request) -> web.StreamResponse:
         job = pulls.start(name)
     job.watchers += 1
     try:
-        checked = asyncio.ensure_future(job.checked.wait())
-        await asyncio.wait({job.task, checked}, return_when=asyncio.FIRST_COMPLETED)
-        checked.cancel()
+        answering = asyncio.ensure_future(job.answering.wait())  # checked, or waiting its turn
+        await asyncio.wait({job.task, answering}, return_when=asyncio.FIRST_COMPLETED)
+        answering.cancel()
         if job.task.done() and not job.task.cancelled() and job.task.exception() is not None:
             error = job.task.exception()
             raise ApiError(getattr(error, "status", 500), str(error))

@@ -7,7 +7,8 @@ doubles up to MAX_BACKOFF_S, and MAX_RETRIES failures in a row without a byte en
 How much of each range is written is saved (blob_store.Partial) every SAVE_EVERY_S, so a
 daemon that restarts resumes too. `fetch_blob` runs in a lowest-priority process of the pull's
 own (pull_child.py), and writes the bytes at their offsets with `pwrite`. A full disk ends the
-pull, deleting the partial.
+pull, deleting the partial. `fetch_file` brings one file of a Hugging Face repo (hf_pull.py) the
+same way, in one range: never more than the size the listing gives, whatever the mirror sends.
 """
 
 from __future__ import annotations
@@ -140,3 +141,56 @@ async def fetch_blob(remote: Remote, root: Path, digest: str, size: int, ranges:
                 saver.tick(force=True)
             except StoreError:  # what is written stays; the next try re-fetches what was not recorded
                 pass
+
+
+async def fetch_file(session: aiohttp.ClientSession, url: str, headers: dict, path: Path, size: int,
+                     max_retries: int, report, pace) -> None:
+    """Bring ``url``'s ``size`` bytes into ``path``, going on from what it holds (`Range`); an answer that
+    says or shows it is longer than that is refused, and what was written of it deleted: a mirror
+    cannot write more than the listing said (whose sizes the free-space check counted)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        have = min(os.fstat(fd).st_size, size)
+        os.ftruncate(fd, have)
+        failures = 0
+        while have < size:  # (an empty file needs no request)
+            try:
+                async with session.get(url, headers={**headers, "Range": f"bytes={have}-"}) as response:
+                    if response.status == 200:
+                        have = 0  # the whole file again: the server ignored the range
+                    elif response.status != 206:
+                        raise RegistryError(f"{url} answered {response.status}",
+                                            response.status if response.status in (401, 403, 404) else 502)
+                    if response.content_length is not None and have + response.content_length > size:
+                        raise _Oversized(f"{url} answered {have + response.content_length} bytes, more than the "
+                                         f"{size} bytes the listing gives: refused")
+                    async for chunk in response.content.iter_chunked(CHUNK_BYTES):
+                        if have + len(chunk) > size:
+                            raise _Oversized(f"{url} sent more than the {size} bytes the listing gives: refused")
+                        _write(fd, chunk, have, path.parent)
+                        have += len(chunk)
+                        failures = 0
+                        report(have)
+                        await pace(len(chunk))
+                os.ftruncate(fd, have)
+                if have < size:
+                    raise aiohttp.ClientPayloadError(f"the answer ended {size - have} bytes short")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                failures += 1
+                if failures > max_retries:
+                    raise RegistryError(f"{url}: gave up after {max_retries} retries in a row "
+                                        f"({type(e).__name__}: {e})") from None
+                await asyncio.sleep(min(BACKOFF_S * 2 ** (failures - 1), MAX_BACKOFF_S))
+        report(have, final=True)
+    except _Oversized as e:
+        os.close(fd)
+        fd = -1
+        path.unlink(missing_ok=True)
+        raise RegistryError(str(e)) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+class _Oversized(Exception):
+    pass

@@ -1,8 +1,8 @@
-"""The blocking work of getting models onto the node (Hugging Face's client, hashing an uploaded
-blob), run where the engines do not feel it: threads at the lowest scheduling priority (run_low).
-A registry pull's blobs are fetched and hashed in a process of their own instead (pull_child.py).
+"""The blocking work of getting models onto the node (hashing an uploaded blob or a pulled Hugging
+Face file), run where the engines do not feel it: threads at the lowest scheduling priority (run_low).
+A pull's downloads run in a process of their own instead (pull_child.py).
 
-Hashing an uploaded blob (SHA-256 of gigabytes) and a Hugging Face download take CPU time; on a
+Hashing an uploaded blob or a pulled file (SHA-256 of gigabytes) takes CPU time; on a
 node whose engine workers keep every core busy, that work at the normal priority takes time slices
 from the engines' threads, which wait for each other at every step, so a pull would slow the models
 already serving (issue 35). At nice 19 the scheduler gives those threads the cores only when the

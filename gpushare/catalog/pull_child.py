@@ -6,7 +6,8 @@ API's loop waits for it: with benchmarks/pull_ttft.py a chat's TTFT during a 2 G
 and 1.59x its TTFT alone with the download in a thread of the daemon, and 1.02x with the same
 download in a nice-19 process of its own (docs/benchmarks.md).
 
-`download` and `verify` hand a pull's blobs to `run`, which starts
+`download` and `verify` hand a pull's blobs to `run` (and `download_files` a Hugging Face repo's files,
+hf_pull.py), which starts
 `python -m gpushare.catalog.pull_child`, writes it one job (JSON on its stdin) and
 reads its events (a JSON object a line on its stdout) until it exits:
 - `{"digest", "completed"}`: a blob's bytes so far, at most every PROGRESS_EVERY_S and at its end;
@@ -135,6 +136,17 @@ async def verify(root: Path, layers: list[LayerProgress]) -> None:
         await run({"op": "verify", "root": str(root), "blobs": todo}, on_progress=None)
 
 
+async def download_files(name: PullName, files: list[tuple[str, Path, LayerProgress]], cap_of=lambda: None) -> None:
+    """Bring each (url, path, layer) file into its path, at most ``layer.total`` bytes of it
+    (blob_download.fetch_file), in the pull's own process as `download` does."""
+    if not files:
+        return
+    job = {"op": "files", "name": dataclasses.asdict(name),
+           "files": [[url, str(path), layer.total, layer.digest] for url, path, layer in files],
+           "max_retries": blob_download.MAX_RETRIES}
+    await run(job, _progress_into([layer for _, _, layer in files]), cap_of)
+
+
 def _report(event: dict) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
@@ -171,15 +183,20 @@ class _Reporter:
 
 
 async def _do(job: dict, pace: _Pace) -> None:
-    root = Path(job["root"])
     if job["op"] == "verify":
         for digest, _ in job["blobs"]:
-            blob_store.commit_partial(root, digest)
+            blob_store.commit_partial(Path(job["root"]), digest)
         return
     async with new_session() as session:
+        if job["op"] == "files":
+            remote = Remote(PullName(**job["name"]), session)
+            for url, path, size, label in job["files"]:
+                await blob_download.fetch_file(session, url, remote.headers, Path(path), size, job["max_retries"],
+                                               _Reporter(label), pace)
+            return
         remote = Remote(PullName(**job["name"]), session, dict(job["headers"]))
         for digest, size, ranges in job["blobs"]:
-            await blob_download.fetch_blob(remote, root, digest, size, ranges, job["max_retries"], _Reporter(digest),
+            await blob_download.fetch_blob(remote, Path(job["root"]), digest, size, ranges, job["max_retries"], _Reporter(digest),
                                            pace)
 
 

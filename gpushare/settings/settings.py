@@ -50,6 +50,7 @@ class ServerSettings:
     open_gateway_metrics: bool = False  # /metrics/gateway (vllm:* gauges only) answers without a key
     context_length: int | None = None  # num_ctx of a model that sets none (OLLAMA_CONTEXT_LENGTH); None: trained
     pull_rate_while_serving_bytes_per_s: int = 100 << 20  # a pull's download cap while models are busy; 0: none
+    max_pulls: int = 3  # pulls that run at once (each a process and a download); more wait their turn
 
 
 @dataclass
@@ -100,7 +101,7 @@ def _read_server(raw: Any) -> ServerSettings:
     d = expect_mapping(raw, "server")
     reject_unknown(d, {"host", "drain_timeout", "max_queued", "max_body_bytes_held", "keep_alive", "min_keep_alive", "origins",
                        "write_timeout", "trust_gateway_headers", "open_gateway_metrics", "context_length",
-                       "pull_rate_while_serving"}, "server.")
+                       "pull_rate_while_serving", "max_pulls"}, "server.")
     s = ServerSettings()
     if "host" in d:
         parse_host(d["host"])
@@ -129,6 +130,8 @@ def _read_server(raw: Any) -> ServerSettings:
     if "pull_rate_while_serving" in d:
         s.pull_rate_while_serving_bytes_per_s = parse_size_bytes(d["pull_rate_while_serving"],
                                                                  "server.pull_rate_while_serving")
+    if "max_pulls" in d:
+        s.max_pulls = positive_int(d["max_pulls"], "server.max_pulls")
     if "min_keep_alive" in d:
         s.min_keep_alive_s = parse_duration_s(d["min_keep_alive"], "server.min_keep_alive")
         if s.min_keep_alive_s < 0:
