@@ -4,10 +4,12 @@ tensors on the step's device.
 On a GPU every list of one upload is written into one pinned, preallocated host buffer and goes
 over in one ``non_blocking`` copy, each tensor a view of the bytes that arrived: no pageable copy,
 none of the stream synchronisations that ``torch.tensor(list, device="cuda")`` makes each time.
-The host buffer is written again only once its last copy has completed (an event; a step paused
-between layers may still have its copy queued when an urgent step uploads its own). The device
-side is a fresh allocation per upload (the caching allocator's, stream-ordered), so the tensors of
-a paused step are never overwritten.
+Uploads take the buffers of a ring in turn, and a buffer is written again only once its last copy
+has completed (an event): a step makes a few uploads and reads the device back at its end, so by
+the time the ring comes round the copy is long done and nothing waits, while a copy still queued
+behind a forward pass (the step's own earlier upload, or a paused step's) is never overwritten.
+The device side is a fresh allocation per upload (the caching allocator's, stream-ordered), so the
+tensors of a paused step stay as they were.
 
 On the CPU the lists become tensors as they are (``torch.tensor``): nothing to copy, nothing to stage.
 """
@@ -15,6 +17,8 @@ On the CPU the lists become tensors as they are (``torch.tensor``): nothing to c
 import torch
 
 ALIGN_BYTES = 8  # every view starts aligned for the widest dtype uploaded (int64, float64)
+RING_BUFFERS = 16  # uploads before a buffer is reused: a step makes under ten
+FIRST_BUFFER_BYTES = 64 << 10
 
 
 def _aligned(n: int) -> int:
@@ -24,8 +28,8 @@ def _aligned(n: int) -> int:
 class Staging:
     def __init__(self, device):
         self.device = torch.device(device)
-        self._host: torch.Tensor | None = None  # pinned uint8, grown by doubling
-        self._copied = None  # torch.cuda.Event of the last copy out of _host
+        self._ring: list = [(None, None)] * RING_BUFFERS  # (pinned uint8 buffer, event of its last copy)
+        self._turn = 0
 
     def upload(self, *parts: tuple[list, torch.dtype]) -> list[torch.Tensor]:
         """One tensor per ``(values, dtype)`` (nested lists give their shape) on this device; on a
@@ -38,16 +42,19 @@ class Staging:
             offsets.append(total)
             total += _aligned(t.numel() * t.element_size())
         total = max(total, ALIGN_BYTES)
-        if self._copied is not None:
-            self._copied.synchronize()  # at once unless a paused step's copy is still queued
-        if self._host is None or self._host.numel() < total:
-            size = max(total, 2 * (self._host.numel() if self._host is not None else 1 << 16))
-            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=True)  # host: the pinned staging buffer
+        turn, self._turn = self._turn, (self._turn + 1) % RING_BUFFERS
+        host, copied = self._ring[turn]
+        if copied is not None:
+            copied.synchronize()  # an upload RING_BUFFERS ago: done since its step read the device back
+        if host is None or host.numel() < total:
+            size = max(total, 2 * host.numel() if host is not None else FIRST_BUFFER_BYTES)
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True)  # host: a pinned staging buffer
         for t, offset in zip(tensors, offsets):
-            self._host[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            host[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
         arrived = torch.empty(total, dtype=torch.uint8, device=self.device)
-        arrived.copy_(self._host[:total], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        arrived.copy_(host[:total], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        self._ring[turn] = (host, copied)
         return [arrived[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 for t, offset in zip(tensors, offsets)]
