@@ -18,7 +18,7 @@ from daemon_fixture import http, serving, wait_for
 from test_oracle import NEW_TOKENS, conversations
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "node"))
-from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, sysfs_root  # noqa: E402
+from node_fakes import FakeNvml, a100_7x1g, h100_node_gpus, h100_with_mig, sysfs_root  # noqa: E402
 
 A, B, R = "smol-a", "smol-b", "smol-r"
 RESTART_WITHIN_S = 60
@@ -243,6 +243,37 @@ def test_a_mig_gpu_gets_one_worker_per_instance_and_mps_clients_their_pipes():
         assert client.env["CUDA_MPS_PIPE_DIRECTORY"].endswith("/pipe")
         assert client.config.device == "cuda" and client.config.cpus
     assert len({tuple(c.config.cpus) for c in clients.values()}) == 7  # no two share CPUs
+
+
+def test_thread_isolation_gives_each_gpu_engine_its_own_cuda_device():
+    """One process sees the plan's GPUs in plan order (CUDA_VISIBLE_DEVICES by UUID), each engine its own
+    index among them: NVML's cuda:2 and cuda:5 become the process's cuda:0 and cuda:1."""
+    from gpushare.settings.settings import parse_settings
+    from gpushare.daemon.serve import thread_engine_configs
+
+    settings = parse_settings({"models": [], "engine": {"isolation": "thread"}}, env={})
+    gpus = h100_node_gpus()
+    configs, visible = thread_engine_configs(settings, plan_for(gpus, "xeon-2s-8xh100", ["cuda:2", "cuda:5", "cpu"]))
+    assert {name: config.device for name, config in configs.items()} == {"cuda:2": "cuda:0", "cuda:5": "cuda:1",
+                                                                         "cpu": "cpu"}
+    assert visible == f"{gpus[2].uuid},{gpus[5].uuid}"
+
+
+def test_thread_isolation_runs_one_mig_instance_and_refuses_two():
+    """A CUDA process enumerates one MIG instance at most: alone it is the process's cuda:0; beside
+    another GPU device, thread isolation is refused before anything starts."""
+    from gpushare.settings.settings import ConfigError, parse_settings
+    from gpushare.daemon.serve import thread_engine_configs
+
+    settings = parse_settings({"models": [], "engine": {"isolation": "thread"}}, env={})
+    mig = h100_with_mig()
+    one = mig.migs[1].uuid
+    configs, visible = thread_engine_configs(settings, plan_for([mig], "xeon-2s-4xh100", [one]))
+    assert ({name: config.device for name, config in configs.items()}, visible) == ({one: "cuda:0"}, one)
+    both = plan_for([mig], "xeon-2s-4xh100", [one, mig.migs[0].uuid])
+    with pytest.raises(ConfigError, match=f"cannot run {one} beside {mig.migs[0].uuid}: a CUDA process sees one "
+                                          "MIG instance at most; use engine.isolation: process"):
+        thread_engine_configs(settings, both)
 
 
 def test_a_gpu_nodes_default_budget_is_90_percent_of_each_devices_memory_as_nvml_reports_it():

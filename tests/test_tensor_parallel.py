@@ -1,6 +1,8 @@
 """Tensor parallelism: how a model splits over N ranks, and SmolLM2 over two CPU worker processes
 (torch.distributed gloo) answering as one device does."""
 
+import io
+import pickle
 import threading
 import time
 from types import SimpleNamespace
@@ -36,6 +38,48 @@ def test_smollm2_splits_in_whole_kv_groups(smollm2_path):
     three = split_model(config, 3)
     assert [p.kv_heads for p in three] == [(0, 1), (1, 2), (2, 3)]
     assert [p.q_heads for p in three] == [(0, 3), (3, 6), (6, 9)]
+
+
+class NoTorch(pickle.Unpickler):
+    """Unpickles what names no torch class: no tensor, so no device, is in the bytes."""
+
+    def find_class(self, module, name):
+        assert not module.startswith("torch"), f"{module}.{name} in a tensor-parallel message"
+        return super().find_class(module, name)
+
+
+def test_a_forward_message_carries_host_arrays_and_lands_on_the_receivers_device():
+    """A pickled CUDA tensor unpickles onto the device index it left, another rank's GPU: the bytes
+    between ranks hold host arrays, and the receiver puts them on its own device ("meta" stands in
+    for a GPU here: any device but the host)."""
+    import torch
+
+    from gpushare.engine.tp_runtime import Forward, Logits, decode_op, encode_op
+    from gpushare.models.llama import AttentionBatch
+
+    i32 = torch.int32
+    batch = AttentionBatch(slot_mapping=torch.arange(5), num_prefill_tokens=3,
+                           prefill_block_tables=torch.tensor([[4, 7]], dtype=i32),
+                           prefill_cu_seqlens=torch.tensor([0, 3], dtype=i32),
+                           prefill_context_lens=torch.tensor([3], dtype=i32),
+                           decode_block_tables=torch.tensor([[2], [9]], dtype=i32),
+                           decode_context_lens=torch.tensor([5, 1], dtype=i32),
+                           lora_slots=torch.tensor([-1] * 5, dtype=i32))
+    for op in (Forward("m", torch.tensor([11, 12, 13, 14, 15]), torch.tensor([0, 1, 2, 4, 0]), batch),
+               Logits("m", torch.tensor([2, 3, 4]))):
+        data = encode_op(op)
+        NoTorch(io.BytesIO(data)).load()
+        sent, on_host, elsewhere = (tensors_of(o) for o in (op, decode_op(data, "cpu"), decode_op(data, "meta")))
+        assert len(sent) == len(on_host) == len(elsewhere) >= 1
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(sent, on_host))
+        assert all(t.device.type == "meta" and t.shape == a.shape for t, a in zip(elsewhere, sent))
+
+
+def tensors_of(op) -> list:
+    import torch
+
+    fields = vars(op) | (vars(op.batch) if hasattr(op, "batch") else {})
+    return [v for v in fields.values() if isinstance(v, torch.Tensor)]
 
 
 def test_fewer_kv_heads_than_ranks_replicates_them():

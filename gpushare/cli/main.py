@@ -28,6 +28,7 @@ def cmd_serve(args) -> int:
         settings = load_settings(args.config, host=args.host)
         daemon.check_kv_dtype(settings)
         daemon.check_tensor_parallel(settings)
+        daemon.check_isolation(settings)
     except ConfigError as e:
         print(f"gpushare serve: config error: {e}", file=sys.stderr)
         return 1

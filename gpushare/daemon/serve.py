@@ -112,12 +112,38 @@ def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
                                     settings.memory.kv_budget_bytes) for plan in plans.workers}
 
 
+def thread_engine_configs(settings: Settings, plans) -> tuple[dict, str | None]:
+    """engine.isolation: thread: each device's EngineConfig, on its own CUDA device index where it is a
+    GPU, and the CUDA_VISIBLE_DEVICES that makes those indices the plan's GPUs (node/devices.py:
+    one_process_devices). ConfigError where one process cannot address them all (MIG)."""
+    from gpushare.node.devices import one_process_devices
+
+    try:
+        visible, devices = one_process_devices(plans.workers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    configs = {}
+    for plan in plans.workers:
+        configs[plan.name] = engine_config(settings, plan)
+        configs[plan.name].device = devices[plan.name]
+    return configs, visible
+
+
+def check_isolation(settings: Settings) -> None:
+    """ConfigError when engine.isolation: thread cannot address the planned devices in one process."""
+    if settings.engine.isolation == "thread":
+        thread_engine_configs(settings, plan_workers(settings))
+
+
 def engine_threads(settings: Settings, plans) -> dict:
     """engine.isolation: thread: each device's engine on a thread of this process (no isolation). The
     one place the supervisor imports the engine, by that setting's definition (tests/test_import_rule.py)."""
+    configs, visible = thread_engine_configs(settings, plans)
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before this process first touches CUDA (the engines')
     from gpushare.engine.local_device import local_devices
 
-    return local_devices({name: client.config for name, client in worker_clients(settings, plans).items()})
+    return local_devices(configs)
 
 
 async def start_http(app: web.Application, settings: Settings) -> web.AppRunner:

@@ -51,16 +51,17 @@ def apply_masks(logits: torch.Tensor, matchers: list) -> list[str | None]:
 
     rows = [i for i, m in enumerate(matchers) if m is not None]
     vocab = logits.shape[-1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)  # host: llguidance fills it
     # Imported here: llguidance.torch costs ~190 MB of resident memory, which a process that never
     # runs a constrained step (most engines) should not pay.
     from llguidance.torch import fill_next_token_bitmask_par
 
     fill_next_token_bitmask_par(_executor_for_engine(), [(matchers[r], k) for k, r in enumerate(rows)], bitmask)
-    shifts = torch.arange(32, dtype=torch.int32)
+    # Unpacked on the logits' device: a 32nd of the bytes crosses over.
+    bitmask = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
     index = torch.tensor(rows, device=logits.device)
-    allowed = allowed.to(logits.device)
     with torch.inference_mode():  # the model's logits are inference tensors
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     problems: list[str | None] = [None] * len(matchers)

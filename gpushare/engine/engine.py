@@ -271,7 +271,8 @@ class Engine:
             os.sched_setaffinity(0, self.config.cpus)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        if self.config.device.startswith("cuda:"):  # a tensor-parallel rank among its group's GPUs: kernels here
+        if self.config.device.startswith("cuda:"):  # one of the process's GPUs (a tensor-parallel rank's, or
+            # engine.isolation: thread's): kernels and streams here
             torch.cuda.set_device(self.config.device)
         self._pinned.set()
         while not self._stopping:

@@ -33,8 +33,8 @@ def fork(seq: Sequence, pool: BlockPool, copy_block) -> list[Sequence]:
             seq, request_id=f"{seq.request_id}-{index}", index=index, output_ids=[], block_table=[],
             block_keys=list(seq.block_keys), forks=[], prompt_logprobs=None, last_logprobs=None,
             matcher=seq.matcher.deep_copy() if seq.matcher is not None else None,
-            generator=(torch.Generator().manual_seed((seq.params.seed + index) & SEED_MASK)
-                       if seq.params.seed is not None else None))
+            generator=(torch.Generator(device=seq.generator.device).manual_seed((seq.params.seed + index) & SEED_MASK)
+                       if seq.generator is not None else None))
         shared = pool.share(seq.block_table, seq.num_computed, seq.tenant)
         if shared is None:
             child.num_computed = child.num_cached = 0

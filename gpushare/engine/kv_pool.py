@@ -33,7 +33,7 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     if dtype == torch.int8:
         per_token = 2 * config.num_layers * config.num_kv_heads * (config.head_dim + INT8_SCALE_BYTES)
         return per_token * block_size
-    return config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    return config.kv_bytes_per_token(torch.empty((), dtype=dtype, device="meta").element_size()) * block_size
 
 
 def resolve_kv_dtype(kv_dtype: str, device: str, weights: str = "auto") -> torch.dtype:
@@ -52,7 +52,7 @@ def _allocate(capacity_bytes: int, device: str):
     if device.startswith("cuda"):
         return torch.empty(capacity_bytes, dtype=torch.uint8, device=device), None
     mapping = mmap.mmap(-1, capacity_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=torch.uint8), mapping
+    return torch.frombuffer(mapping, dtype=torch.uint8), mapping  # host: the CPU pool is this mapping
 
 
 @dataclass

@@ -11,6 +11,7 @@ from gpushare.engine.forks import fork, wants_forks
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import copy_block
 from gpushare.engine.sampling import prompt_logprobs, sample_batch
+from gpushare.engine.staging import Staging
 from gpushare.protocol.sampling_params import SamplingFailure
 from gpushare.engine.scheduler import Batch
 from gpushare.models.cpu_kernels import WIDE_CHUNK_TOKENS
@@ -20,9 +21,9 @@ from gpushare.catalog.model_head import LoadedModel
 PROMPT_LOGITS_ROWS = 256  # prompt rows per lm_head call: bounds the [rows, vocab] float32 logits of a long chunk
 
 
-def _padded(tables: list[list[int]], device) -> torch.Tensor:
+def _padded(tables: list[list[int]]) -> list[list[int]]:
     width = max((len(t) for t in tables), default=0) or 1
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return [t + [0] * (width - len(t)) for t in tables]
 
 
 @dataclass
@@ -30,6 +31,7 @@ class StepInFlight:
     batch: Batch
     forward: ForwardState
     last_rows: dict[int, int]  # batch index -> row of its last token
+    logit_rows: list[int]  # the rows that sample, in order: forward.logit_rows on the host
     forks: list = field(default_factory=list)  # sequences forked from an n > 1 answer in this step (forks.py)
 
 
@@ -39,6 +41,7 @@ class ModelRunner:
         self.pool = pool
         self.device = loaded.device
         self.kv_caches = kv_caches  # per layer (K, V) views into the device KV pool (kv_pool.layer_views)
+        self.staging = Staging(self.device)
 
     def _inputs(self, seqs, chunks):
         """Token ids, positions and attention layout: wide prefill chunks first, then the other prefill
@@ -67,29 +70,34 @@ class ModelRunner:
             else:
                 decode_tables.append(table)
                 decode_lens.append(end)
-        dev = self.device
+        sampling = [last_rows[i] for i, (seq, chunk) in enumerate(zip(seqs, chunks))
+                    if seq.num_pending == chunk]  # the chunk ends its input: the step samples its next token
+        long, int32 = torch.long, torch.int32
+        (input_ids, positions, slot_mapping, logit_rows, cu_seqlens_t, prefill_lens_t, prefill_tables_t,
+         decode_tables_t, decode_lens_t, *lora_slots_t) = self.staging.upload(
+            (ids, long), (positions, long), (slots, long), (sampling, long), (cu_seqlens, int32),
+            (prefill_lens, int32), (_padded(prefill_tables), int32), (_padded(decode_tables), int32),
+            (decode_lens, int32),
+            *([(lora_slots, int32)] if adapters is not None else []))
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
             num_prefill_tokens=cu_seqlens[-1],
-            prefill_block_tables=_padded(prefill_tables, dev),
-            prefill_cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
-            decode_block_tables=_padded(decode_tables, dev),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            prefill_block_tables=prefill_tables_t,
+            prefill_cu_seqlens=cu_seqlens_t,
+            prefill_context_lens=prefill_lens_t,
+            decode_block_tables=decode_tables_t,
+            decode_context_lens=decode_lens_t,
             wide_rows=sum(c for c in chunks if c >= WIDE_CHUNK_TOKENS),
-            lora_slots=torch.tensor(lora_slots, dtype=torch.int32, device=dev) if adapters is not None else None,
+            lora_slots=lora_slots_t[0] if adapters is not None else None,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), batch, last_rows
+        return input_ids, positions, batch, last_rows, (sampling, logit_rows)
 
     def begin(self, batch: Batch) -> StepInFlight:
         """Start a step; ``advance`` runs it, ``complete`` samples its tokens."""
-        input_ids, positions, attention, last_rows = self._inputs(batch.seqs, batch.chunks)
+        input_ids, positions, attention, last_rows, (sampling, logit_rows) = self._inputs(batch.seqs, batch.chunks)
         forward = self.loaded.model.start(input_ids, positions, attention)
-        sampling = [last_rows[i] for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))
-                    if seq.num_pending == chunk]  # the chunk ends its input: the step samples its next token
-        forward.logit_rows = torch.tensor(sampling, dtype=torch.long, device=self.device) if sampling else None
-        return StepInFlight(batch, forward, last_rows)
+        forward.logit_rows = logit_rows if sampling else None
+        return StepInFlight(batch, forward, last_rows, sampling)
 
     def advance(self, step: StepInFlight, should_pause=None) -> bool:
         """Run the step's layers; False when ``should_pause()`` stopped it between two layers."""
@@ -117,7 +125,7 @@ class ModelRunner:
         logits = self._logits(step, hidden, last_rows)
         matchers = [s.matcher for s in seqs] if any(s.matcher is not None for s in seqs) else None
         tokens, logprobs = sample_batch(logits, [(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
-                                        matchers)
+                                        matchers, self.staging)
         for k, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.last_logprobs = logprobs[k]
             if seq.matcher is not None and not isinstance(token, SamplingFailure):
@@ -132,11 +140,12 @@ class ModelRunner:
         rows that sample; forks repeat one of them), else from ``hidden``."""
         forward, model = step.forward, self.loaded.model
         if forward.logits is None:
-            return model.logits(hidden, torch.tensor(last_rows, device=self.device))
-        computed = forward.logit_rows.tolist()
+            return model.logits(hidden, self.staging.upload((last_rows, torch.long))[0])
+        computed = step.logit_rows
         if computed == last_rows:
             return model.capped(forward.logits)
-        return model.capped(forward.logits[torch.tensor([computed.index(r) for r in last_rows], device=self.device)])
+        (order,) = self.staging.upload(([computed.index(r) for r in last_rows], torch.long))
+        return model.capped(forward.logits[order])
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one KV block in every layer (on every rank of a tensor-parallel model)."""
@@ -160,7 +169,7 @@ class ModelRunner:
 
     def hidden_states(self, seqs, chunks):
         """Run the model at once; returns the final hidden states and each sequence's last row index."""
-        input_ids, positions, attention, last_rows = self._inputs(seqs, chunks)
+        input_ids, positions, attention, last_rows, _ = self._inputs(seqs, chunks)
         hidden = self.loaded.model(input_ids, positions, self.kv_caches, attention)
         for seq, chunk in zip(seqs, chunks):
             seq.num_computed += chunk

@@ -25,7 +25,7 @@ def new_sequence(loaded: LoadedModel, request: GenerationRequest,
     if params.prompt_logprobs is not None:
         seq.prompt_logprobs = [None]  # the first prompt token has nothing before it to be scored by
     if params.seed is not None:
-        seq.generator = torch.Generator().manual_seed(params.seed)
+        seq.generator = torch.Generator(device=loaded.device).manual_seed(params.seed)  # the logits' device
     if params.structured is not None:
         seq.matcher = constraints.new_matcher(loaded, params.structured)  # SchemaError is a ValueError
     return seq

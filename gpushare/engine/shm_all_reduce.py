@@ -49,7 +49,7 @@ class ShmAllReduce:
         finally:
             os.close(fd)
         self.flags = np.frombuffer(self._mapping, dtype=np.int64, count=8 * world_size)[::8]
-        self.slots = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=flags_bytes,
+        self.slots = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=flags_bytes,  # host: shared memory
                                       count=2 * world_size * SLOT_BYTES).view(2, world_size, SLOT_BYTES)
         self.sequence = 0
 
@@ -73,7 +73,7 @@ class ShmAllReduce:
         rank (None on the others); in row slices that fit a slot."""
         rows = part.shape[0]
         per_round = max(1, SLOT_BYTES // (4 * max(widths)))
-        out = torch.empty(rows, sum(widths)) if self.rank == 0 else None
+        out = torch.empty(rows, sum(widths)) if self.rank == 0 else None  # host: CPU ranks only
         for first in range(0, rows, per_round):
             chunk = part[first:first + per_round].contiguous()
             slots = self._publish(chunk.view(-1).view(torch.uint8))

@@ -22,6 +22,7 @@ first, the loop thread on the others), as process groups need.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -31,6 +32,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -170,18 +172,43 @@ def use_all_reduce(model: nn.Module) -> None:
 OP_MESSAGE_BYTES = 16 << 10
 
 
-def broadcast_op(op) -> object:
-    """The first rank sends ``op`` to every other; the others return what it sent (``op`` ignored).
+def _map_leaves(obj, kind: type, fn):
+    """``obj`` (an op: dataclasses, tuples, lists) with ``fn`` applied to every ``kind`` inside."""
+    if isinstance(obj, kind):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_leaves(getattr(obj, f.name), kind, fn)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_leaves(x, kind, fn) for x in obj)
+    return obj
+
+
+def encode_op(op) -> bytes:
+    """``op`` pickled with every tensor as a host numpy array: the bytes name no device (a pickled
+    CUDA tensor unpickles onto the sender's device index, another rank's GPU)."""
+    return pickle.dumps(_map_leaves(op, torch.Tensor, lambda t: t.cpu().numpy()))
+
+
+def decode_op(data: bytes, device) -> object:
+    """The op of ``encode_op``'s bytes, its tensors on ``device`` (the receiving rank's)."""
+    return _map_leaves(pickle.loads(data), np.ndarray,
+                       lambda a: torch.from_numpy(a).to(device))  # host: unpickled, then moved to device
+
+
+def broadcast_op(op, device="cpu") -> object:
+    """The first rank sends ``op`` to every other; the others return what it sent (``op`` ignored),
+    its tensors on their ``device``.
 
     Over gloo even between CPU ranks: a rank waiting for its next op then sleeps in a socket read,
     costing nothing while the group is idle. Through shared memory it was no faster, measured
     (58-61 against 50-60 tok/s single-stream, the same runs alternating), and would have to poll.
     """
-    head = torch.zeros(OP_MESSAGE_BYTES, dtype=torch.uint8)
+    head = torch.zeros(OP_MESSAGE_BYTES, dtype=torch.uint8)  # host: ops go over gloo
     if _group.rank == 0:
-        data = torch.frombuffer(bytearray(pickle.dumps(op)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode_op(op)), dtype=torch.uint8)  # host: as head
         size = data.numel()
-        head[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
+        head[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)  # host: as head
         first = min(size, OP_MESSAGE_BYTES - 8)
         head[8:8 + first] = data[:first]
         for r in range(1, _group.world_size):
@@ -194,10 +221,10 @@ def broadcast_op(op) -> object:
     first = min(size, OP_MESSAGE_BYTES - 8)
     data = head[8:8 + first]
     if size > first:
-        rest = torch.empty(size - first, dtype=torch.uint8)
+        rest = torch.empty(size - first, dtype=torch.uint8)  # host: as head
         dist.recv(rest, 0, group=_group.ops)
         data = torch.cat([data, rest])
-    return pickle.loads(data.numpy().tobytes())
+    return decode_op(data.numpy().tobytes(), device)
 
 
 class LeaderModel(nn.Module):
@@ -273,7 +300,7 @@ class Follower:
     def run(self) -> None:
         """Run ops until the group breaks up (the first rank exits): then this process ends too."""
         while True:
-            op = broadcast_op(None)
+            op = broadcast_op(None, self.kv_pool.device)
             if isinstance(op, Forward):
                 entry = self._model(op.model)
                 entry.hidden = entry.model(op.input_ids, op.positions, entry.kv_caches, op.batch)

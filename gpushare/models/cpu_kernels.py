@@ -200,16 +200,16 @@ def _measure_kernel() -> tuple[dict[str, float], float]:
 
     from gpushare.kernels import cpu_qmatmul
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # host: measures the CPU kernels
     weights = []
     for n, k in layer_stack(stack_bytes()):
-        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        scales = torch.rand(n, generator=gen) / 1000
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)  # host: CPU kernels' input
+        scales = torch.rand(n, generator=gen) / 1000  # host: CPU kernels' input
         weights.append((n, qweight, cpu_qmatmul.pack_int8(qweight), scales, scales.bfloat16()))
     start = _cpu_seconds()
     totals = {"blocks": 0.0, "torch": 0.0}
     for rows in (1, 16):
-        xs = {k: torch.randn(rows, k, generator=gen) for k in {w[1].shape[1] for w in weights}}
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {w[1].shape[1] for w in weights}}  # host: CPU kernels
         totals["blocks"] += best_time_s(lambda: [cpu_qmatmul.matmul(xs[q.shape[1]], codes, s, None, n)
                                                  for n, q, codes, s, _ in weights], reps=3)
         totals["torch"] += best_time_s(lambda: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s16)
@@ -223,10 +223,12 @@ def _measure_wide() -> tuple[dict[str, float], float]:
 
     from gpushare.models.int8_wide import int8_wide_matmul
 
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
-                (torch.rand(n, generator=gen) / 1000).bfloat16()) for n, k in layer_stack(stack_bytes())]
-    xs = {k: torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16() for k in {q.shape[1] for q, _ in weights}}
+    gen = torch.Generator().manual_seed(0)  # host: measures the CPU kernels
+    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),  # host: CPU kernels' input
+                (torch.rand(n, generator=gen) / 1000).bfloat16())  # host: CPU kernels' input
+               for n, k in layer_stack(stack_bytes())]
+    xs = {k: torch.randn(_WIDE_MEASURE_ROWS, k, generator=gen).bfloat16()  # host: CPU kernels' input
+          for k in {q.shape[1] for q, _ in weights}}
     start = _cpu_seconds()
     totals = {
         "bfloat16": best_time_s(lambda: [int8_wide_matmul(xs[q.shape[1]], q, s16, _WIDE_MEASURE_ROWS)

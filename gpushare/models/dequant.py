@@ -23,7 +23,7 @@ def shifted(q: torch.Tensor, group: int, shifts: list[int], mask: int) -> torch.
     """ggml's packing: each run of ``group`` bytes holds several groups of values, the ``i``-th at
     bit ``shifts[i]``; returns them in order, ``[N, -1]`` uint8."""
     n = q.shape[0]
-    shift = torch.tensor(shifts, dtype=torch.uint8).view(1, 1, -1, 1)
+    shift = torch.tensor(shifts, dtype=torch.uint8, device=q.device).view(1, 1, -1, 1)
     return ((q.reshape(n, -1, 1, group) >> shift) & mask).reshape(n, -1)
 
 
@@ -34,7 +34,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(raw: torch.Tensor, count: int) -> torch.Tensor:
     """Bit ``i`` (little-endian over the bytes) for ``i < count``: ``[N, count]`` uint8."""
-    i = torch.arange(count)
+    i = torch.arange(count, device=raw.device)
     return (raw[:, i // 8] >> (i % 8).to(torch.uint8)) & 1
 
 
@@ -123,18 +123,18 @@ def _q6_k(blocks):
 
 
 def _iq4_nl(blocks):
-    values = torch.tensor(_IQ4_VALUES, dtype=torch.float32)
+    values = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=blocks.device)
     return _halves(blocks, 0) * values[shifted(blocks[:, 2:], 16, [0, 4], 0x0F).long()]
 
 
 def _iq4_xs(blocks):
     n = blocks.shape[0]
     low = shifted(blocks[:, 4:8], 1, [0, 4], 0x0F)  # sub-block i: nibble i % 2 of byte i // 2
-    i = torch.arange(8)
+    i = torch.arange(8, device=blocks.device)
     high = (blocks[:, 2 + i // 4] >> (2 * (i % 4)).to(torch.uint8)) & 3
     scales = ((low | (high << 4)).to(torch.int8) - 32).float()
     dl = (_halves(blocks, 0) * scales).view(n, 8, 1)
-    values = torch.tensor(_IQ4_VALUES, dtype=torch.float32)
+    values = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=blocks.device)
     q = values[shifted(blocks[:, 8:], 16, [0, 4], 0x0F).long()].view(n, 8, 32)
     return (dl * q).reshape(n, QK_K)
 
@@ -165,10 +165,10 @@ def dequantize(raw: np.ndarray, type_name: str, shape: list[int]) -> torch.Tenso
         return None
     block_weights, block_bytes, decode = FAST[type_name]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    out = torch.empty(shape, dtype=torch.float32)
+    out = torch.empty(shape, dtype=torch.float32)  # host: decoded from the file's bytes
     flat = out.view(blocks.shape[0], block_weights)
     step = max(1, CHUNK_WEIGHTS // block_weights)
     for start in range(0, blocks.shape[0], step):
         # own, writable copy of the chunk: the file's memory map is read-only
-        flat[start:start + step] = decode(torch.from_numpy(np.array(blocks[start:start + step])))
+        flat[start:start + step] = decode(torch.from_numpy(np.array(blocks[start:start + step])))  # host: file bytes
     return out

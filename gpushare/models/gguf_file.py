@@ -52,20 +52,22 @@ def _hf_name(gguf_name: str, gate_up_fused: bool = False) -> str | None:
 
 def unpermute_order(rows: int, num_heads: int) -> torch.Tensor:
     """Row order undoing llama.cpp's Q/K permutation (it interleaves each head's rotary halves into pairs)."""
-    return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
+    order = torch.arange(rows)  # host: indexes the host weights being read
+    return order.reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
 def _dense(data, type_name: str, shape: list[int]) -> torch.Tensor:
     """float32 ``shape`` from a tensor's ``data`` (all its rows, or some of them) of GGUF type ``type_name``."""
     if type_name in ("F32", "F16"):
-        return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # host: read from the file
     weights = dequantize(data, type_name, shape)
     if weights is None:
         # the gguf package for the types without a decoder of ours, imported only then: with its
         # vocabulary helpers (sentencepiece) it holds ~4 MiB of a worker's memory for good
         from gguf import GGMLQuantizationType, quants
 
-        weights = torch.from_numpy(quants.dequantize(np.asarray(data), GGMLQuantizationType[type_name]).reshape(shape))
+        weights = torch.from_numpy(  # host: read from the file
+            quants.dequantize(np.asarray(data), GGMLQuantizationType[type_name]).reshape(shape))
     return weights
 
 

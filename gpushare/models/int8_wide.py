@@ -31,7 +31,7 @@ def int8_wide_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_bf16: torch.
     tile = min(n, max(1, WIDE_TILE_ELEMENTS // k))
     scratch = getattr(_scratch, "tile", None)
     if scratch is None or scratch.numel() < tile * k:
-        scratch = _scratch.tile = torch.empty(tile * k, dtype=torch.bfloat16)
+        scratch = _scratch.tile = torch.empty(tile * k, dtype=torch.bfloat16)  # host: a CPU kernel's scratch
     parts = []
     for start in range(0, n, tile):
         end = min(n, start + tile)

@@ -34,8 +34,8 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # host: the loader fills and moves it
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None  # host: as the weight
         self.format = "dense"  # dense | onednn | int8 | int4
         self.blocks = False  # int8 or int4 packed for kernels/cpu_qmatmul
         self.group_size = 0
@@ -144,7 +144,7 @@ class Embedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))  # host: the loader fills and moves it
         self.row_lookup = None  # a quantized Linear's dequantized_rows, when it holds the same matrix
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim))  # host: the loader fills and moves it
 
     def forward(self, x, residual=None):
         """RMSNorm of ``x``; with ``residual``: ``(RMSNorm(x + residual), x + residual)``."""
@@ -217,7 +217,7 @@ class LlamaModel(nn.Module):
         """A forward pass ready to run its first layer."""
         x = self.embed_tokens(input_ids, self.norm.weight.dtype)
         if self.embedding_scale is not None:  # in the activations' dtype, as transformers rounds it
-            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype, device=x.device)
         cos_sin = self.rope[positions].to(x.dtype)
         state = ForwardState(x, cos_sin[:, 0, None, :], cos_sin[:, 1, None, :], batch)
         if self.rope_local is not None:

@@ -198,7 +198,7 @@ def read_gguf(path: str, name: str) -> LoraAdapter:
         if t.tensor_type.name not in ("F32", "F16", "BF16"):
             raise ValueError(f"adapter {name!r}: tensor {shown(t.name)} is {t.tensor_type.name}, not F32/F16/BF16")
         shape = [int(d) for d in reversed(t.shape)]
-        tensor = torch.from_numpy(t.data.astype("float32").reshape(shape))
+        tensor = torch.from_numpy(t.data.astype("float32").reshape(shape))  # host: read from the file
         found.setdefault((int(m.group(1)), GGUF_TARGETS[m.group(2)]), {})[m.group(3).upper()] = tensor
     weights = _pair_up(name, found)
     rank = check_rank(name, next(iter(weights.values()))[0].shape[0])

@@ -54,7 +54,7 @@ class AdapterTable:
         # every target's stacks, layer after layer in PARTS' order (seven a layer): the fused decode's
         self.a_stacks: list[torch.Tensor] = []
         self.b_stacks: list[torch.Tensor] = []
-        self.scale_of_slot = torch.zeros(0)
+        self.scale_of_slot = torch.zeros(0)  # host: empty until rebuild makes it on the model's device
 
     def add(self, adapter: LoraAdapter) -> None:
         """Load ``adapter``; ValueError (naming both) if it does not fit this base or is loaded already."""
@@ -102,14 +102,14 @@ class AdapterTable:
                     # rank 0 where no loaded adapter has this target (PEFT's default adapts q and v
                     # only): its kernel call returns at once, never reading slots of zeros
                     width = max((a.rank for a in adapters if (i, target) in a.weights), default=0)
-                    a_stack = torch.zeros(len(adapters), width, in_features, dtype=dtype)
-                    b_stack = torch.zeros(len(adapters), width, out_features, dtype=dtype)
+                    a_stack = torch.zeros(len(adapters), width, in_features, dtype=dtype, device=device)
+                    b_stack = torch.zeros(len(adapters), width, out_features, dtype=dtype, device=device)
                     for s, adapter in enumerate(adapters):
                         pair = adapter.weights.get((i, target))
                         if pair is not None:
                             a_stack[s, :adapter.rank] = pair[0]
                             b_stack[s, :adapter.rank] = pair[1].T
-                    parts.append((start, out_features, a_stack.to(device), b_stack.to(device)))
+                    parts.append((start, out_features, a_stack, b_stack))
                     self.a_stacks.append(parts[-1][2])
                     self.b_stacks.append(parts[-1][3])
                     start += out_features

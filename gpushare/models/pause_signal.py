@@ -12,7 +12,7 @@ import torch
 
 class PauseSignal:
     def __init__(self):
-        self.flag = torch.zeros(1, dtype=torch.uint8)
+        self.flag = torch.zeros(1, dtype=torch.uint8)  # host: a store the C++ layers read
         self._byte = self.flag.numpy()  # the same memory: a store, not a torch op
 
     def set(self) -> None:

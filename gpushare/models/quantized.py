@@ -116,7 +116,7 @@ def int4_from_gguf(raw: np.ndarray, type_name: str, shape: list[int]) -> Int4Wei
         return None
     head = 4 if type_name == "Q4_1" else 2
     n, k = shape
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, head + 16))
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, head + 16))  # host: file bytes
     d = blocks[:, 0:2].contiguous().view(torch.float16).float().reshape(n, k // 32)
     m = blocks[:, 2:4].contiguous().view(torch.float16).float().reshape(n, k // 32) if head == 4 else -8 * d
     qs = blocks[:, head:]
@@ -126,7 +126,7 @@ def int4_from_gguf(raw: np.ndarray, type_name: str, shape: list[int]) -> Int4Wei
 
 def _int4_from_q4_k(raw: np.ndarray, shape: list[int]) -> Int4Weight:
     n, k = shape
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, 144))
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1, 144))  # host: file bytes
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
     sc, mins = k_scales(blocks[:, 4:16])

@@ -13,7 +13,7 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
     one; ``long`` picks LongRoPE's factors for positions past the original context."""
     dim = config.head_dim
     theta = config.rope_theta_local if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # host: at load
     scaling = {} if local else config.rope_scaling
     kind = rope_type(scaling)
     if kind == "linear":
@@ -28,7 +28,7 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
         inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
     elif kind == "longrope":
         name = "long_factor" if long else "short_factor"
-        factors = torch.as_tensor(scaling.get(name) or [], dtype=torch.float64).flatten()
+        factors = torch.as_tensor(scaling.get(name) or [], dtype=torch.float64).flatten()  # host: at load
         if factors.numel() != dim // 2:
             raise ValueError(f"longrope {name} has {factors.numel()} entries, the head needs {dim // 2}")
         inv_freq = inv_freq / factors
@@ -51,7 +51,7 @@ def rope_table(config: ModelConfig, rope_freqs: torch.Tensor | None = None, loca
     factors once a sequence passes the original context, which a KV cache cannot follow without
     recomputing; up to the original context the two agree exactly.
     """
-    positions = torch.arange(config.context_length)
+    positions = torch.arange(config.context_length)  # host: the table moves with the model
     if rope_type(config.rope_scaling) == "longrope" and not local:
         original = config.rope_scaling["original_max_position_embeddings"]
         factor = longrope_attention_factor(config.rope_scaling, config.context_length)

@@ -21,7 +21,7 @@ from gpushare.catalog.tensor_split import RankSlice
 
 
 def _rows(w, start: int, end: int):
-    return permute_rows(w, torch.arange(start, end))
+    return permute_rows(w, torch.arange(start, end))  # host: splits the host weights at load
 
 
 def _columns(w, start: int, end: int):

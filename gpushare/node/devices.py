@@ -106,6 +106,22 @@ class WorkerPlanSet:
         return {w.name: w.memory_total_bytes for w in self.workers if w.memory_total_bytes is not None}
 
 
+def one_process_devices(workers: list[WorkerPlan]) -> tuple[str | None, dict[str, str]]:
+    """engine.isolation: thread, every worker's engine in one process: the CUDA_VISIBLE_DEVICES that
+    process needs (None: no GPU among them) and each worker's torch device by name, ``cuda:K`` for
+    the K-th GPU it lists, in plan order (CUDA_VISIBLE_DEVICES is read once per process, so the
+    workers' own ``env`` cannot apply). ValueError for a MIG instance beside another GPU device: a
+    CUDA process enumerates one MIG instance at most, so only engine.isolation: process can run both."""
+    gpus = [w for w in workers if w.torch_device == "cuda"]
+    migs = [w.name for w in gpus if w.mig_uuid is not None]
+    if migs and len(gpus) > 1:
+        raise ValueError(f"engine.isolation: thread cannot run {migs[0]} beside "
+                         f"{', '.join(w.name for w in gpus if w.name != migs[0])}: a CUDA process sees one MIG "
+                         f"instance at most; use engine.isolation: process (the default)")
+    visible = ",".join(w.mig_uuid or w.gpu_uuid for w in gpus) or None
+    return visible, {w.name: f"cuda:{gpus.index(w)}" if w in gpus else w.torch_device for w in workers}
+
+
 def plan_workers(devices: list[str] | None, report: NvmlReport, topology: Topology,
                  node: NodeSettings | None = None, allowed_cpus: list[int] | None = None,
                  device: str = "auto") -> WorkerPlanSet:
