@@ -233,7 +233,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
                      model_groups: dict[str, str] | None = None) -> None:
     devices = supervisor.clients
     registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name,
-                        memory_total_bytes=plans.memory_total_bytes())
+                        memory_free_bytes=plans.memory_free_bytes())
     registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
     engines = NodeDevices(devices)
