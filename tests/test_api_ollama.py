@@ -10,6 +10,7 @@ import time
 from http.client import HTTPConnection
 
 import ollama
+import psutil
 import pytest
 from daemon_fixture import MODEL, http, serving, wait_for
 
@@ -123,6 +124,14 @@ def test_ps_reports_the_loaded_model_and_its_kv_blocks(client, daemon, served_ll
     assert memory["weight_bytes"] == served_llm.model.weight_bytes
     assert memory["rss_bytes"] == (memory["weight_bytes"] + memory["kv_committed_bytes"]
                                    + memory["runtime_overhead_bytes"])
+    # a CPU engine's device memory is the host's RAM, as its worker saw it: used and free, both real
+    (device,) = memory["devices"]
+    ram = psutil.virtual_memory()
+    assert device["device"] == "cpu" and device["memory"] == "host"
+    assert 0 < device["free_bytes"] < ram.total and 0 < device["used_bytes"] < ram.total
+    assert device["used_bytes"] + device["free_bytes"] == ram.total
+    # the worker holds the loaded weights in that RAM: the used figure covers them
+    assert device["used_bytes"] > memory["weight_bytes"]
 
 
 def test_embed(client, daemon):

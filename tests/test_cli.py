@@ -141,11 +141,16 @@ def test_unload_load_and_ps(daemon, host_env, capsys):
     assert r.returncode == 0 and r.stdout.strip() == f"loaded {MODEL}", r.stderr
     r = gpushare(daemon, "ps")
     assert r.returncode == 0, r.stderr
-    header, row = r.stdout.splitlines()
+    header, row, memory_line = r.stdout.splitlines()
     assert header.split()[:6] == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"] and "KV BLOCKS" in header
     assert row.startswith(MODEL) and "100% CPU" in row and "Forever" in row
     assert cli.main(["ps", "--json"]) == 0
-    (m,) = json.loads(capsys.readouterr().out)["models"]
+    data = json.loads(capsys.readouterr().out)
+    (m,) = data["models"]
+    # the CPU engine's memory is the host's RAM, as its worker last reported it
+    (device,) = data["memory"]["devices"]
+    assert device["device"] == "cpu" and device["memory"] == "host"
+    assert memory_line.startswith("cpu: host RAM ") and memory_line.endswith(" free") and " used, " in memory_line
     # CONTEXT: what one request can get, the trained 8192 capped by the model's KV pool
     assert row.split()[6] == str(min(8192, m["kv_blocks_total"] * m["kv_block_size"]))
     assert m["kv_blocks_used"] == 0 and m["kv_blocks_total"] > 0

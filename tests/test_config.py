@@ -199,3 +199,15 @@ def test_the_daemon_refuses_to_start_with_a_placeholder_key(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "tenants[0].api_keys[0]: this is a published placeholder key" in done.stdout + done.stderr
+
+
+def test_the_device_margin_is_a_size_and_a_reload_keeps_the_one_the_daemon_started_with():
+    from gpushare.daemon.lifecycle import keep_start_only_settings
+
+    old = parse_settings({"memory": {"device_margin": "1GiB"}}, env={})
+    new = parse_settings({"memory": {"device_margin": "3GiB", "kv_budget": "1GiB"}}, env={})
+    assert (old.memory.device_margin_bytes, new.memory.device_margin_bytes) == (1 << 30, 3 << 30)
+    assert keep_start_only_settings(old, new) == ["memory.kv_budget", "memory.device_margin"]
+    assert (new.memory.device_margin_bytes, new.memory.kv_budget_bytes) == (1 << 30, 2 << 30)
+    with pytest.raises(ConfigError, match="memory.device_margin: must be a size"):
+        parse_settings({"memory": {"device_margin": "plenty"}}, env={})

@@ -276,19 +276,27 @@ def test_thread_isolation_runs_one_mig_instance_and_refuses_two():
         thread_engine_configs(settings, both)
 
 
-def test_a_gpu_nodes_default_budget_is_90_percent_of_each_devices_memory_as_nvml_reports_it():
+def test_a_gpu_nodes_default_budget_is_each_devices_free_memory_less_the_margin_as_nvml_reports_it():
     """The supervisor learns device memory from the worker plan (NVML), not from CUDA, which it never
-    loads: on a 7-instance MIG A100 the budget is 90% of one instance's memory."""
+    loads: memory another process holds is not in the budget, and memory.device_margin is kept free.
+    On a 7-instance MIG A100 (nothing used) the budget is one instance's memory less the margin."""
     from gpushare.settings.settings import parse_settings
     from gpushare.daemon.serve import worker_clients
     from gpushare.residency.registry import Registry
 
-    settings = parse_settings({"models": []}, env={})
+    settings = parse_settings({"models": [], "memory": {"device_margin": "256MiB"}}, env={})
     plans = plan_for([a100_7x1g()], "xeon-2s-4xh100")
-    assert set(plans.memory_total_bytes().values()) == {4864 << 20} and len(plans.memory_total_bytes()) == 7
+    assert set(plans.memory_free_bytes().values()) == {4864 << 20} and len(plans.memory_free_bytes()) == 7
     registry = Registry(worker_clients(settings, plans), settings, dtype="bfloat16",
-                        memory_total_bytes=plans.memory_total_bytes())
-    assert registry.residency.budget_bytes == int((4864 << 20) * 0.9)
+                        memory_free_bytes=plans.memory_free_bytes())
+    assert registry.residency.budget_bytes == (4864 - 256) << 20
+
+    gpus = h100_node_gpus()[:4]
+    gpus[2].memory_used_mib = 60_000  # another process's model on one of them
+    plans = plan_for(gpus, "xeon-2s-4xh100", devices=["cuda:2"])
+    registry = Registry(worker_clients(settings, plans), settings, dtype="bfloat16",
+                        memory_free_bytes=plans.memory_free_bytes())
+    assert registry.residency.budget_bytes == (81559 - 60_000 - 256) << 20
 
 
 def test_a_worker_sends_one_message_per_burst_of_outputs_and_only_its_newest_snapshot():

@@ -295,3 +295,73 @@ def test_int8_kv_keeps_the_perplexity_in_a_quarter_of_the_bytes(llm, smollm2_pat
     finally:
         int8_kv.shutdown()
     assert abs(ratio - 1) < 0.02, ratio  # measured on the whole text: 22.565 vs 22.520 (+0.2%)
+
+
+def test_a_gpu_pool_is_what_the_device_leaves_less_the_margin_never_under_kv_budget():
+    from gpushare.engine.kv_sizing import target_bytes
+
+    GiB = 1 << 30
+    # an 80 GB card: a 2 GiB pool, 60 GiB free after the weights, 2 GiB margin -> 60 GiB of KV
+    assert target_bytes(2 * GiB, 60 * GiB, 2 * GiB, 2 * GiB) == 60 * GiB
+    # another process took the card's memory: the pool keeps memory.kv_budget, which the budget reserves
+    assert target_bytes(2 * GiB, GiB, 2 * GiB, 2 * GiB) == 2 * GiB
+
+
+def test_the_pool_is_resized_while_models_run_and_every_answer_is_unchanged(llm):
+    """What a GPU engine does as models come and go (engine/kv_sizing.py), here on the CPU: the
+    running sequences are preempted, the pool allocated anew, and they recompute into it."""
+    from gpushare.engine import kv_sizing
+
+    per_block = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+    engine = Engine(EngineConfig(kv_dtype="float32", kv_cache_bytes=40 * per_block, max_num_seqs=8))
+    engine.add_model("m", llm.model)
+    prompts = [chat_ids(llm, p) for p in PROMPTS[:3]]
+    expected = [o.token_ids for o in llm.generate(prompts, [greedy(16)] * 3)]
+    sizes = iter([100 * per_block, 24 * per_block])
+    seen = []
+
+    def resize_twice(engine):
+        if engine.steps in (3, 9):  # mid-answer, each time with every sequence holding blocks
+            held = engine.models["m"].scheduler.pool.num_used
+            kv_sizing.resize(engine, next(sizes))
+            seen.append((held, engine.models["m"].scheduler.pool.num_used, engine.snapshot.stats.kv_pool_bytes,
+                         engine.snapshot.stats.models["m"].blocks_total))
+
+    engine.on_step = resize_twice
+    results, done = {}, threading.Event()
+
+    def collect(i):
+        tokens = []
+
+        def on_output(out):
+            tokens.extend(out.token_ids)
+            if out.finished:
+                results[i] = (tokens, out.error)
+                if len(results) == len(prompts):
+                    done.set()
+        return on_output
+
+    for i, ids in enumerate(prompts):
+        engine.submit(engine.request("m", ids, greedy(16)), collect(i))
+    engine.start()
+    try:
+        assert done.wait(600)
+    finally:
+        engine.shutdown()
+    assert [results[i] for i in range(3)] == [(e, None) for e in expected]
+    # both times blocks were held, then none: and the model saw the new pool's size
+    assert [(held > 0, after) for held, after, _, _ in seen] == [(True, 0), (True, 0)]
+    assert [(pool, blocks) for _, _, pool, blocks in seen] == [(100 * per_block, 100), (24 * per_block, 24)]
+    assert engine.models["m"].scheduler.num_preemptions >= 6  # every running sequence, twice
+
+
+def test_a_pool_is_not_resized_while_a_model_holds_a_slab(llm):
+    block_bytes = kv_bytes_per_block(llm.model.config, 16, torch.float32)
+    pool = DeviceKVPool(64 * block_bytes, "cpu", slab_blocks=8)
+    owner = BlockPool(pool, 16, block_bytes)
+    slab = pool.take(owner)
+    with pytest.raises(RuntimeError, match="no model holds a slab"):
+        pool.resize(32 * block_bytes)
+    pool.give_back(slab)
+    pool.resize(32 * block_bytes)
+    assert (pool.capacity_bytes, pool.num_slabs, owner.num_blocks) == (32 * block_bytes, 4, 32)

@@ -35,8 +35,8 @@ def test_mig_devices_become_engines():
     [h100] = report.gpus
     assert h100.mig_enabled and h100.utilization_percent is None  # NVML has no utilisation under MIG
     assert h100.mig_devices == [
-        MigDevice(0, "MIG-1d5f8a42-6c0e-5b2a-9f31-0a7d4c2b8e61", "3g.40gb", 1, 0, 40448 * 2**20),
-        MigDevice(1, "MIG-84b3c6e0-2f9d-5a17-b8c4-93e1f0d27a55", "3g.40gb", 2, 0, 40448 * 2**20),
+        MigDevice(0, "MIG-1d5f8a42-6c0e-5b2a-9f31-0a7d4c2b8e61", "3g.40gb", 1, 0, 40448 * 2**20, 40448 * 2**20),
+        MigDevice(1, "MIG-84b3c6e0-2f9d-5a17-b8c4-93e1f0d27a55", "3g.40gb", 2, 0, 40448 * 2**20, 40448 * 2**20),
     ]
     assert h100.processes == [GpuProcess(3805, 326 * 2**20)]
     assert engine_targets(report) == [EngineTarget(m.uuid, "00000000:42:00.0") for m in h100.mig_devices]

@@ -7,7 +7,7 @@ HTTP server, allocator slack); on a GPU weights and KV are in device memory and 
 resident set is overhead.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import psutil
 
@@ -19,6 +19,8 @@ class MemoryReport:
     kv_pool_bytes: int  # the engine's KV pool (memory.kv_budget)
     kv_committed_bytes: int  # the pool's slabs that models hold now
     runtime_overhead_bytes: int
+    # per engine device: its memory used and free as its worker last saw it (protocol/engine_stats.py)
+    devices: list[dict] = field(default_factory=list)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -39,4 +41,7 @@ def memory_report(ctx) -> MemoryReport:
                 pass
     on_host = sum(e.weight_bytes + getattr(stats.models.get(e.name), "kv_committed_bytes", 0) for e in loaded
                   if e.device.config.device == "cpu")
-    return MemoryReport(rss, weights, stats.kv_pool_bytes, stats.kv_committed_bytes, max(0, rss - on_host))
+    devices = [{"device": name, "memory": s.memory_kind, "used_bytes": s.memory_used_bytes,
+                "free_bytes": s.memory_free_bytes}
+               for name, s in ((name, device.stats()) for name, device in ctx.registry.devices.items())]
+    return MemoryReport(rss, weights, stats.kv_pool_bytes, stats.kv_committed_bytes, max(0, rss - on_host), devices)

@@ -81,6 +81,9 @@ def cmd_ps(args) -> int:
     # Ollama's columns first (PROCESSOR as `ollama ps` shows it), then gpushare's.
     print(table(rows, ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL", "KV BLOCKS", "RUN/QUEUED", "DEVICE",
                        "WORKER PID", "KIND", "WEIGHTS", "BASE"]))  # BASE: a LoRA adapter's, its SIZE its own
+    for d in (data.get("memory") or {}).get("devices", []):  # an admin's view (tenants see no node figures)
+        where = "host RAM" if d["memory"] == "host" else "GPU memory"
+        print(f"{d['device']}: {where} {human_bytes(d['used_bytes'])} used, {human_bytes(d['free_bytes'])} free")
     return 0
 
 

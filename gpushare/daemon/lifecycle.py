@@ -106,9 +106,10 @@ def keep_start_only_settings(old: Settings, new: Settings) -> list[str]:
     if new.server.host != old.server.host:
         changed.append("server.host")
         new.server.host = old.server.host
-    if new.memory.kv_budget_bytes != old.memory.kv_budget_bytes:  # the engine's KV pool is allocated at start
-        changed.append("memory.kv_budget")
-        new.memory.kv_budget_bytes = old.memory.kv_budget_bytes
+    for name in ("kv_budget", "device_margin"):  # the KV pool is sized at start, the default budget too
+        if getattr(new.memory, f"{name}_bytes") != getattr(old.memory, f"{name}_bytes"):
+            changed.append(f"memory.{name}")
+            setattr(new.memory, f"{name}_bytes", getattr(old.memory, f"{name}_bytes"))
     for name in ("engine", "node", "prefix_cache_scope"):
         if getattr(new, name) != getattr(old, name):
             changed.append(name)

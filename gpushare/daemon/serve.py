@@ -102,7 +102,8 @@ def engine_config(settings: Settings, plan):
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         block_size=e.block_size, num_threads=e.num_threads or plan.torch_threads,
                         prefix_cache=settings.prefix_cache_scope, cpus=plan.cpus, device=plan.torch_device,
-                        kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype, weights=e.weights)
+                        kv_cache_bytes=settings.memory.kv_budget_bytes, kv_dtype=e.kv_dtype, weights=e.weights,
+                        device_margin_bytes=settings.memory.device_margin_bytes)
 
 
 def worker_clients(settings: Settings, plans) -> dict[str, WorkerClient]:
@@ -259,7 +260,7 @@ async def serve_with(settings: Settings, supervisor: DeviceSupervisor, plans, dt
                      model_groups: dict[str, str] | None = None) -> None:
     devices = supervisor.clients
     registry = Registry(devices, settings, dtype=dtype, find_device=lambda text: plans.find(text).name,
-                        memory_total_bytes=plans.memory_total_bytes())
+                        memory_free_bytes=plans.memory_free_bytes())
     registry.residency.model_groups = model_groups or {}
     registry.residency.is_healthy = supervisor.healthy
     engines = NodeDevices(devices)

@@ -34,6 +34,7 @@ from gpushare.engine.engine_snapshot import engine_stats, tenant_stats
 from gpushare.protocol.engine_stats import EngineSnapshot, EngineStats, has_work
 from gpushare.engine.kv_cache import BlockPool
 from gpushare.engine.kv_pool import DeviceKVPool, kv_bytes_per_block, resolve_kv_dtype
+from gpushare.engine import kv_sizing
 from gpushare.engine.kv_sharing import borrow_victim, shed_idle_models
 from gpushare.engine.model_runner import ModelRunner
 from gpushare.engine.resident_model import ResidentModel
@@ -71,6 +72,7 @@ class Engine:
         self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, self.config.device, self.config.weights)
         self._idle_since_s: dict[int, float] = {}  # kv_sharing.shed_idle_models' memory
         self._next_shed_check_s = 0.0  # idle models are looked at once per idle_tick_s, not every step
+        self._kv_fit_pending = False  # a model went: the GPU pool grows at the next idle check (kv_sizing)
         self.thread_native_id: int | None = None
         self.steps = 0
         self.last_tick_s = time.monotonic()
@@ -127,6 +129,7 @@ class Engine:
             runner = ModelRunner(loaded, pool, self.kv_pool.layer_views(loaded.config, self.config.block_size,
                                                                          self.kv_dtype))
             self.models[name] = ResidentModel(name, loaded, scheduler, runner, share_weight)
+            kv_sizing.fit(self)  # a GPU pool grows into what the weights left
             self.flush()  # whoever waits on add_model sees the model in the snapshot
 
         self._run_on_engine(add)
@@ -143,9 +146,15 @@ class Engine:
                 self.step_outputs.finish(resident, seq, "abort",
                                          error=f"the request was cancelled: model {name!r} was unloaded")
             resident.scheduler.pool.close()
+            self._kv_fit_pending = True
             self.flush()
 
         self._run_on_engine(remove)
+
+    def fit_kv_pool(self, floor: bool = False) -> None:
+        """On a GPU: size the KV pool to what the device leaves now, or (``floor``, before a load) to
+        memory.kv_budget; running sequences are preempted (engine/kv_sizing.py). Elsewhere nothing."""
+        self._run_on_engine(lambda: kv_sizing.fit(self, floor))
 
     def add_adapter(self, name: str, base: str, adapter: LoraAdapter) -> None:
         """Serve LoRA ``adapter`` as model ``name`` on loaded model ``base`` (engine/adapters.py)."""
@@ -328,6 +337,8 @@ class Engine:
         if now_s < self._next_shed_check_s:
             return
         self._next_shed_check_s = now_s + self.config.idle_tick_s
+        if self._kv_fit_pending:
+            self._kv_fit_pending = not kv_sizing.fit(self, force=False)
         schedulers = [w.scheduler for w in self.models.values()]
         if shed_idle_models(schedulers, self._idle_since_s, now_s, self.config.kv_idle_release_s):
             return_freed_memory()

@@ -1,6 +1,7 @@
 """Building an engine's stats from its live state, on the engine thread (the snapshot's types:
 protocol/engine_stats.py)."""
 
+from gpushare.engine.device_memory import device_memory
 from gpushare.engine.tenant_ledger import TenantLedger
 from gpushare.protocol.engine_stats import EngineStats, ModelStats, TenantModelStats
 from gpushare.protocol.tenant_policy import TenantStats
@@ -8,8 +9,11 @@ from gpushare.protocol.tenant_policy import TenantStats
 
 def engine_stats(engine) -> EngineStats:
     pool = engine.kv_pool
+    memory = device_memory(engine.config.device)
     out = EngineStats(engine.steps, kv_pool_bytes=pool.capacity_bytes, kv_committed_bytes=pool.committed_bytes,
-                      kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs)
+                      kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs,
+                      memory_kind=memory.kind, memory_used_bytes=memory.used_bytes,
+                      memory_free_bytes=memory.free_bytes)
     for name, w in list(engine.models.items()):
         blocks = w.scheduler.pool
         out.models[name] = ModelStats(

@@ -47,7 +47,7 @@ class BlockPool:
 
     def __post_init__(self):
         self.device.register(self, self.block_bytes)
-        self.num_blocks = sum(len(self.device.blocks_in(s, self.block_bytes)) for s in range(self.device.num_slabs))
+        self.resized()
         self.slab_free: dict[int, list[int]] = {}  # own slab -> its free blocks
         self.slab_held: dict[int, int] = {}  # own slab -> its blocks held by a sequence
         self.ref_counts: Counter = Counter()
@@ -55,6 +55,10 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
         self.held: dict[str, Counter] = {}  # tenant -> block -> holders
+
+    def resized(self) -> None:
+        """Count the blocks of the device pool again (it was allocated anew: kv_pool.DeviceKVPool.resize)."""
+        self.num_blocks = sum(len(self.device.blocks_in(s, self.block_bytes)) for s in range(self.device.num_slabs))
 
     @property
     def num_free(self) -> int:

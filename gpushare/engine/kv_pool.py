@@ -10,7 +10,9 @@ loses at most one block a slab where a block straddles two slabs.
 
 On the CPU the buffer is an anonymous mapping: pages are committed when first written, and a
 slab given back is returned to the kernel (madvise DONTNEED), so resident memory follows use.
-On a GPU the buffer is allocated at once (CUDA virtual memory management is not used).
+On a GPU the buffer is allocated at once (CUDA virtual memory management is not used); it
+changes size by being allocated anew while no slab is handed out (`resize`; engine/kv_sizing.py
+says when).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class DeviceKVPool:
     device: str = "cpu"
     slab_blocks: int = 8  # blocks of the first model per slab
     slab_bytes: int = 0  # set when the first model registers into an empty pool
+    slab_unit_bytes: int = 0  # the first model's slab_blocks blocks: slab_bytes unless the pool is smaller
     owners: list = field(default_factory=list)  # slab -> the BlockPool holding it, or None
     free_slabs: list[int] = field(default_factory=list)
     members: list = field(default_factory=list)  # registered BlockPools
@@ -89,11 +92,34 @@ class DeviceKVPool:
             raise ValueError(f"the KV pool ({self.capacity_bytes} bytes) is smaller than one block of "
                              f"this model ({block_bytes} bytes); raise memory.kv_budget")
         if not self.members:
-            self.slab_bytes = min(self.capacity_bytes, block_bytes * self.slab_blocks)
-            count = -(-self.capacity_bytes // self.slab_bytes)
-            self.owners = [None] * count
-            self.free_slabs = list(range(count - 1, -1, -1))  # pop() hands out low slabs first
+            self.slab_unit_bytes = block_bytes * self.slab_blocks
+            self._cut_slabs()
         self.members.append(member)
+
+    def _cut_slabs(self) -> None:
+        self.slab_bytes = min(self.capacity_bytes, self.slab_unit_bytes)
+        count = -(-self.capacity_bytes // self.slab_bytes)
+        self.owners = [None] * count
+        self.free_slabs = list(range(count - 1, -1, -1))  # pop() hands out low slabs first
+
+    def resize(self, capacity_bytes: int) -> None:
+        """Allocate the pool anew at ``capacity_bytes``, its contents lost: only while no slab is handed
+        out, and once every view into the old buffer (layer_views) is let go. The old bytes are freed
+        before the new are allocated: a GPU has no room for both. Members count their blocks again
+        (BlockPool.resized); a model's block larger than the new pool is refused as at register."""
+        if any(owner is not None for owner in self.owners):
+            raise RuntimeError("the KV pool is resized only while no model holds a slab of it")
+        if capacity_bytes <= 0 or any(capacity_bytes < m.block_bytes for m in self.members):
+            raise ValueError(f"KV pool size {capacity_bytes} is under one block of a loaded model")
+        self.buffer = self._mapping = None
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the old buffer's block back to the driver for the new one
+        self.capacity_bytes = capacity_bytes
+        self.buffer, self._mapping = _allocate(capacity_bytes, self.device)
+        if self.members:
+            self._cut_slabs()
+        for member in self.members:
+            member.resized()
 
     def unregister(self, member) -> None:
         for slab, owner in enumerate(self.owners):

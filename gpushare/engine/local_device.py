@@ -105,6 +105,7 @@ class LocalDevice(Device):
              warm_key: tuple):
         """(the LoadedModel, its weight bytes, whether it came warm). Blocking."""
         device = self.engine.config.device
+        self.engine.fit_kv_pool(floor=True)  # on a GPU, room for the weights (engine/kv_sizing.py)
         if warm is not None:
             model = in_passing_thread(to_device, warm, device).result()
         else:

@@ -180,6 +180,7 @@ class WorkerHost:
         def progress(done_bytes: int, total_bytes: int) -> None:
             self.outbox.put(m.Progress(message.call_id, done_bytes, total_bytes))
 
+        self.engine.fit_kv_pool(floor=True)  # on a GPU, room for the weights (engine/kv_sizing.py)
         model, warm = _take_or_load(self.spec, self.warm, message, progress)
         if self.spec.group is not None and not warm:
             model.model = LeaderModel(message.name, model.model,

@@ -93,10 +93,12 @@ def _convert(tensor, name: str, shape: list[int], weights: str):
 
 
 def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, permuted_qk: bool, progress=None,
-                 weights: str = "float32", gate_up_fused: bool = False) -> dict:
+                 weights: str = "float32", gate_up_fused: bool = False, place=None) -> dict:
     """Every known tensor, in numpy (row-major, HF) shape order: float32, or for ``weights`` int8 /
     int4 the linear weights quantized as they are read (gpushare.protocol.weight_format).
 
+    ``place(name, value)``, when given, puts each converted tensor where the model will use it (the
+    device) before the next is read, so the host holds one tensor at a time, not the model.
     ``progress(done_bytes, total_bytes)``, when given, is called after each tensor.
     """
     total = sum(int(t.n_bytes) for t in tensors)
@@ -113,7 +115,9 @@ def read_tensors(tensors: list, path: str, num_heads: int, num_kv_heads: int, pe
         if permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads
             value = permute_rows(value, unpermute_order(shape[0], heads))
-        state[name] = value.contiguous() if isinstance(value, torch.Tensor) else value
+        value = value.contiguous() if isinstance(value, torch.Tensor) else value
+        state[name] = value if place is None else place(name, value)
+        del value  # the host copy goes now, not when the next tensor replaces it
         done += int(tensor.n_bytes)
         if progress is not None:
             progress(done, total)

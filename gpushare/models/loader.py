@@ -2,6 +2,7 @@
 chat template, stop ids: catalog/model_head.py). Encoders (BERT family) load through models/encoder_loader.py."""
 
 import ctypes
+import dataclasses
 import os
 
 import torch
@@ -36,15 +37,41 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def read_gguf(path: str, progress=None, weights: str = "float32", device: str = "cpu", header=None):
+def device_placer(device: str, dtype: torch.dtype | None, weights: str):
+    """read_tensors' ``place`` for a load onto ``device``: each tensor moves there as soon as it is
+    read, so the host never holds the model (a 70B model at 4 bits would be ~40 GB of RAM). Dense
+    matrices go over in the weight format's dtype, other dense tensors in ``dtype`` (the model casts
+    them to it anyway), so the device holds no float32 copy either. None (tensors stay where they
+    are read) on the CPU, or without ``dtype`` (a tensor-parallel load splits the host copy first)."""
+    if device == "cpu" or dtype is None:
+        return None
+    matrix_dtype = DTYPES.get(weights, dtype)  # int8/int4: their dense matrices (the embedding) in dtype
+
+    def move(tensor: torch.Tensor, cast: torch.dtype | None = None) -> torch.Tensor:
+        return tensor.to(device, dtype=cast if cast is not None and tensor.is_floating_point() else None)
+
+    def place(name: str, value):
+        if not isinstance(value, torch.Tensor):  # a quantized weight: its codes and scales as they are
+            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                                 if isinstance(getattr(value, f.name), torch.Tensor)})
+        if name.startswith("rope_"):  # a few numbers the rope table is computed from on the host
+            return value
+        return move(value, matrix_dtype if value.dim() == 2 else dtype)
+
+    return place
+
+
+def read_gguf(path: str, progress=None, weights: str = "float32", device: str = "cpu", header=None, dtype=None):
     """Parse a GGUF into (config, state dict, tokenizer, template, stop ids, info): float32 tensors, or
     for ``weights`` int8/int4/auto the linear weights quantized as they are read; ``info["weights"]``
-    names the format. ``header``: open_gguf's (metadata, tensors) of ``path``, where the caller has it."""
+    names the format. ``header``: open_gguf's (metadata, tensors) of ``path``, where the caller has it.
+    ``dtype`` (the model's activations): tensors go to ``device`` as they are read (device_placer)."""
     meta, tensors = header or open_gguf(path)
     config = config_from_gguf(meta)
     weights = resolve_weights(weights, device, matrix_types(tensors))
     state = read_tensors(tensors, path, config.num_heads, config.num_kv_heads, permuted_qk=config.arch == "llama",
-                         progress=progress, weights=weights, gate_up_fused=config.arch == "phi3")
+                         progress=progress, weights=weights, gate_up_fused=config.arch == "phi3",
+                         place=device_placer(device, dtype, weights))
     for which in ("short", "long"):  # LongRoPE's factors travel as tensors in GGUF
         factors = state.pop(f"rope_factors_{which}", None)
         if factors is not None:
@@ -54,9 +81,9 @@ def read_gguf(path: str, progress=None, weights: str = "float32", device: str = 
     return config, state, tokenizer, template, stop, gguf_info(meta, config, weights)
 
 
-def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str = "cpu"):
+def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str = "cpu", dtype=None):
     """Parse a Hugging Face folder: config.json, *.safetensors (sharded too), tokenizer files; tensors
-    as ``read_gguf`` gives them, each converted as soon as it is read."""
+    as ``read_gguf`` gives them (placed as it does), each converted as soon as it is read."""
     from safetensors import safe_open
 
     raw = read_json(path, "config.json")
@@ -67,6 +94,7 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
     if not files:
         raise FileNotFoundError(f"{os.path.basename(path)}: no *.safetensors files")
     weights = resolve_weights(weights, device, set())  # safetensors folders hold dense weights
+    place = device_placer(device, dtype, weights)
     state = {}
     total = sum(os.path.getsize(f) for f in files)
     done = 0
@@ -83,7 +111,9 @@ def read_hf_dir(path: str, progress=None, weights: str = "float32", device: str 
                     read = tensors.get_tensor(hf_name).to(torch.float32, copy=True)
                     name, dense = hf_tensor(name, read, config)
                     target = target_of(name, weights)
-                    state[name] = dense if target is None else quantize(name, dense, target)
+                    value = dense if target is None else quantize(name, dense, target)
+                    del read, dense
+                    state[name] = value if place is None else place(name, value)
         except Exception as e:
             raise ValueError(f"{os.path.basename(f)}: corrupt safetensors file ({e})") from e
         done += os.path.getsize(f)
@@ -100,7 +130,8 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
     ``dtype``: activations and KV cache; ``weights``: the weight format (weight_format.WEIGHT_FORMATS).
     ``progress(done_bytes, total_bytes)`` reports reading and converting (the slow part).
     ``tensor_parallel``: (rank, world size): build only that rank's part (models/tp_weights.py);
-    its ``config`` then has the rank's heads and MLP channels. The whole file is read first.
+    its ``config`` then has the rank's heads and MLP channels. The whole file is read first (into
+    host memory); otherwise each tensor goes to ``device`` as it is read (device_placer).
     """
     torch_dtype = resolve_dtype(dtype)
     measure_again_if_provisional()
@@ -112,10 +143,11 @@ def load_model(path: str, dtype="float32", device: str = "cpu", progress=None, w
         if tensor_parallel is not None:
             raise ValueError(f"{path}: encoders are not split across devices (tensor parallel)")
         return load_encoder(path, torch_dtype, device, progress, weights)
+    streamed = None if tensor_parallel is not None else torch_dtype
     if header is None:
-        config, state, tokenizer, template, stop, info = read_hf_dir(path, progress, weights, device)
+        config, state, tokenizer, template, stop, info = read_hf_dir(path, progress, weights, device, streamed)
     else:
-        config, state, tokenizer, template, stop, info = read_gguf(path, progress, weights, device, header)
+        config, state, tokenizer, template, stop, info = read_gguf(path, progress, weights, device, header, streamed)
     whole_config = config
     if tensor_parallel is not None:
         rank, world_size = tensor_parallel

@@ -82,6 +82,7 @@ class WorkerPlan:
     mig_uuid: str | None = None
     gpu_index: int | None = None  # NVML index of gpu_uuid
     memory_total_bytes: int | None = None  # the GPU's or MIG instance's memory; None on the CPU
+    memory_free_bytes: int | None = None  # of that, what was free when planned (other processes hold the rest)
 
 
 @dataclass
@@ -104,6 +105,10 @@ class WorkerPlanSet:
     def memory_total_bytes(self) -> dict[str, int]:
         """Each GPU or MIG worker's device memory (NVML's), by worker name."""
         return {w.name: w.memory_total_bytes for w in self.workers if w.memory_total_bytes is not None}
+
+    def memory_free_bytes(self) -> dict[str, int]:
+        """Each GPU or MIG worker's free device memory when planned (NVML's), by worker name."""
+        return {w.name: w.memory_free_bytes for w in self.workers if w.memory_free_bytes is not None}
 
 
 def one_process_devices(workers: list[WorkerPlan]) -> tuple[str | None, dict[str, str]]:
@@ -266,6 +271,7 @@ def _gpu_worker(gpu: Gpu, mig: MigDevice | None, pinning, node: NodeSettings) ->
         cpus=pinning.cpus, torch_threads=pinning.torch_threads, numa_node=pinning.numa_node,
         gpu_uuid=gpu.uuid, mig_uuid=mig.uuid if mig else None, gpu_index=gpu.index,
         memory_total_bytes=mig.memory_total_bytes if mig else gpu.memory_total_bytes,
+        memory_free_bytes=mig.memory_free_bytes if mig else gpu.memory_free_bytes,
     )
 
 

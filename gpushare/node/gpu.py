@@ -23,6 +23,7 @@ class MigDevice:
     gpu_instance_id: int | None
     compute_instance_id: int | None
     memory_total_bytes: int | None
+    memory_free_bytes: int | None = None  # at the time of reading: other processes' use counts
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Gpu:
     mig_devices: list[MigDevice] = field(default_factory=list)
     processes: list[GpuProcess] = field(default_factory=list)
     utilization_percent: int | None = None  # NVML does not report it while MIG is on
+    memory_free_bytes: int | None = None  # NVML's, at the time of reading: what every process leaves
 
 
 @dataclass
@@ -115,6 +117,7 @@ def _read_gpu(nvml, index: int) -> Gpu:
         pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(handle).busId),
         memory_total_bytes=int(memory.total),
         memory_used_bytes=int(memory.used),
+        memory_free_bytes=int(memory.free),
         compute_capability=tuple(capability) if capability is not None else None,
         compute_mode=_COMPUTE_MODES.get(mode) if mode is not None else None,
         mig_enabled=mig_enabled,
@@ -140,6 +143,7 @@ def _read_mig_devices(nvml, handle) -> list[MigDevice]:
             gpu_instance_id=_optional(nvml, nvml.nvmlDeviceGetGpuInstanceId, mig),
             compute_instance_id=_optional(nvml, nvml.nvmlDeviceGetComputeInstanceId, mig),
             memory_total_bytes=None if memory is None else int(memory.total),
+            memory_free_bytes=None if memory is None else int(memory.free),
         ))
     return devices
 

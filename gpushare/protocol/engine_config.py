@@ -40,7 +40,8 @@ class EngineConfig:
     prefix_cache: str = "tenant"  # share cached prefix blocks within a tenant | "global" | "off"
     cpus: list[int] | None = None  # pin the engine thread (and torch's pool) to these CPUs
     device: str = "cpu"
-    kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model
+    kv_cache_bytes: int = 512 << 20  # the device KV pool, shared by every loaded model (on a GPU its least)
+    device_margin_bytes: int = 2 << 30  # GPU memory the KV pool leaves free when it grows (engine/kv_sizing.py)
     kv_dtype: str = "auto"  # KV storage: auto | float32 | bfloat16 | float16 | int8 (kv_dtype_name)
     weights: str = "auto"  # the weight format models load in unless they say otherwise: picks auto's KV dtype
     kv_slab_blocks: int = 8  # KV pool slab size, in blocks of the first model loaded

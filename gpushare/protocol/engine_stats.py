@@ -43,6 +43,11 @@ class EngineStats:
     kv_committed_bytes: int = 0  # slabs handed out to models
     kv_dtype: str = ""
     max_num_seqs: int = 0
+    # the device's memory as the engine sees it when the snapshot is built: "cuda" (mem_get_info: every
+    # process on the GPU counts) or "host" (a CPU engine: the machine's RAM, used and available)
+    memory_kind: str = ""
+    memory_used_bytes: int = 0
+    memory_free_bytes: int = 0
 
 
 @dataclass

@@ -22,7 +22,6 @@ from gpushare.residency.entries import ModelLoadError
 
 log = logging.getLogger("gpushare.registry")
 
-DEFAULT_GPU_BUDGET_FRACTION = 0.9  # of the device's memory: the CUDA context and allocator slack need the rest
 DEFAULT_CPU_BUDGET_FRACTION = 0.8  # of the host RAM available at start
 MAX_SAFETENSORS_HEADER_BYTES = 100_000_000  # the safetensors format's own cap on its JSON header
 # Reading a model's header (its tensor table, its config): seconds for a file that is slow to read
@@ -112,16 +111,18 @@ def estimate_weight_bytes(count: TensorCount, weights: str) -> int:
     return (count.parameters + count.tied_embedding) * _DENSE_BYTES_PER_WEIGHT[weights]
 
 
-def default_budget_bytes(device: str, host_cache_bytes: int, memory_total_bytes: int | None = None) -> int:
-    """memory.budget when the config leaves it out: 90% of the GPU's memory; on the CPU 80% of
-    the RAM available now, less the warm tier (which lives in the same RAM; at most half).
+def default_budget_bytes(device: str, host_cache_bytes: int, memory_free_bytes: int | None = None,
+                         device_margin_bytes: int = 0) -> int:
+    """memory.budget when the config leaves it out: the GPU's free memory less memory.device_margin
+    (what other processes hold is not ours to plan with); on the CPU 80% of the RAM available now,
+    less the warm tier (which lives in the same RAM; at most half).
 
-    A GPU's memory is ``memory_total_bytes``: NVML's, from the worker plan (the supervisor never loads
-    torch; with engine.isolation: thread too); an offline tool with an engine of its own asks CUDA."""
+    A GPU's free memory is ``memory_free_bytes``: NVML's when the workers were planned (the supervisor
+    never loads torch; with engine.isolation: thread too)."""
     if device.startswith("cuda"):
-        if memory_total_bytes is None:
-            raise ValueError(f"{device}: the default memory budget needs the GPU's memory_total_bytes")
-        return int(memory_total_bytes * DEFAULT_GPU_BUDGET_FRACTION)
+        if memory_free_bytes is None:
+            raise ValueError(f"{device}: the default memory budget needs the GPU's memory_free_bytes")
+        return max(0, memory_free_bytes - device_margin_bytes)
     import psutil
 
     usable = int(psutil.virtual_memory().available * DEFAULT_CPU_BUDGET_FRACTION)

@@ -68,10 +68,10 @@ class Lease:
 
 class Registry:
     def __init__(self, devices: dict, settings: Settings, *, dtype: str, find_device=None,
-                 memory_total_bytes: dict[str, int] | None = None):
+                 memory_free_bytes: dict[str, int] | None = None):
         """`devices`: name -> device (protocol/device.py); `find_device`: a models[].device as written ->
-        the name of its device; `memory_total_bytes`: a GPU device's name -> its memory (the worker plan's,
-        from NVML), for the default budget."""
+        the name of its device; `memory_free_bytes`: a GPU device's name -> its free memory (the worker
+        plan's, from NVML), for the default budget."""
         self.devices = devices
         self.dtype = dtype
         self.residency = Residency(devices, dtype=dtype, weights=settings.engine.weights, on_loaded=self._on_loaded,
@@ -80,11 +80,12 @@ class Registry:
         self._background: set[asyncio.Task] = set()
         # Measured once, at start: later the loaded models themselves would shrink "available". Devices
         # that share host RAM (CPU engines) split it; a tensor-parallel group's ranks run on those devices.
-        memory_total_bytes = memory_total_bytes or {}
+        memory_free_bytes = memory_free_bytes or {}
         kinds = {name: d.config.device for name, d in devices.items() if d.world_size == 1}
         cpu_devices = max(1, list(kinds.values()).count("cpu"))
         self._default_budget_bytes = min(
-            default_budget_bytes(kind, settings.memory.host_cache_bytes, memory_total_bytes.get(name))
+            default_budget_bytes(kind, settings.memory.host_cache_bytes, memory_free_bytes.get(name),
+                                 settings.memory.device_margin_bytes)
             // (cpu_devices if kind == "cpu" else 1) for name, kind in kinds.items())
         self._apply_limits(settings)
 

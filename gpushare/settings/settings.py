@@ -79,6 +79,8 @@ class MemorySettings:
     kv_budget_bytes: int = 2 << 30  # the engine's KV pool, which every loaded model grows into as it needs
     max_loaded_models: int = 4
     host_cache_bytes: int = 4 << 30  # warm tier: unloaded models kept built in host memory; 0: off
+    # GPU memory left out of the default budget and the KV pool: the CUDA context, allocator slack, activations
+    device_margin_bytes: int = 2 << 30
 
 
 @dataclass
@@ -265,7 +267,7 @@ def _model_device(raw: Any, engine: EngineSettings, key: str) -> str | None:
 
 def _read_memory(raw: Any) -> MemorySettings:
     d = expect_mapping(raw, "memory")
-    reject_unknown(d, {"budget", "kv_budget", "max_loaded_models", "host_cache"}, "memory.")
+    reject_unknown(d, {"budget", "kv_budget", "max_loaded_models", "host_cache", "device_margin"}, "memory.")
     m = MemorySettings()
     if d.get("budget") is not None:
         m.budget_bytes = parse_size_bytes(d["budget"], "memory.budget")
@@ -277,6 +279,8 @@ def _read_memory(raw: Any) -> MemorySettings:
         m.max_loaded_models = positive_int(d["max_loaded_models"], "memory.max_loaded_models")
     if "host_cache" in d:
         m.host_cache_bytes = parse_size_bytes(d["host_cache"], "memory.host_cache")
+    if "device_margin" in d:
+        m.device_margin_bytes = parse_size_bytes(d["device_margin"], "memory.device_margin")
     if m.budget_bytes is not None and m.budget_bytes < m.kv_budget_bytes:
         raise ConfigError(f"memory.budget: must be at least memory.kv_budget ({m.kv_budget_bytes} bytes), "
                           f"got {d['budget']!r}")
