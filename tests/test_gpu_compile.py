@@ -21,17 +21,27 @@ import kernel_compile  # noqa: E402
 
 from gpushare.kernels import lora_triton, paged_attention_triton, quant_matmul_triton  # noqa: E402
 
-# Stack bytes a thread (spills: cuobjdump -res-usage) a kernel may have on any arch. None, but for the
-# int8 matmul on float32 activations (UPCAST, exact fp32 FMA dots): 2.6-10.7 KiB measured on sm_80-sm_90.
+# Stack bytes a thread (spills: cuobjdump -res-usage) a kernel may have on any arch: none, but for the
+# int8 and int4 matmuls on float32 activations (UPCAST: exact fp32 FMA dots), measured 0.2-10.7 KiB on
+# sm_80-sm_90 (docs/benchmarks.md); on bfloat16 and float16 activations they spill nothing.
 SPILL_BUDGET_BYTES = {
     "_reshape_and_cache_kernel": 0,
     "_decode_segment_kernel": 0,
     "_decode_merge_kernel": 0,
     "_prefill_kernel": 0,
-    "_int8_matmul_kernel": 12 * 1024,
+    "_int8_matmul_kernel": 0,
     "_int4_matmul_kernel": 0,
     "_lora_kernel": 0,
 }
+UPCAST_MATMUL_SPILL_BUDGET_BYTES = 12 * 1024
+
+
+def _spill_budget(result: dict) -> int:
+    if result["constexprs"].get("UPCAST") == "True":
+        return UPCAST_MATMUL_SPILL_BUDGET_BYTES
+    return SPILL_BUDGET_BYTES[result["kernel"]]
+
+
 KERNEL_MODULES = (paged_attention_triton, quant_matmul_triton, lora_triton)
 
 
@@ -47,7 +57,7 @@ def _check(results: list[dict], arches) -> None:
               f"{'; '.join(kernel_compile.limit_errors(r))}" for r in results if kernel_compile.limit_errors(r)]
     assert not broken, "\n".join(broken)
     over = [f"sm_{r['arch']} {r['kernel']} {r['constexprs']}: {r['spill_bytes']} B spilled"
-            for r in results if r["spill_bytes"] > SPILL_BUDGET_BYTES[r["kernel"]]]
+            for r in results if r["spill_bytes"] > _spill_budget(r)]
     assert not over, "\n".join(over)
     kernels = _launched_kernels()
     for arch in arches:
