@@ -131,3 +131,40 @@ def test_buckets_bound_the_variants_and_warm_up_compiles_them_all():
     assert serving <= warm, "\n".join(sorted(serving - warm))
     # cache write, prefill, the decode segments direct or not, 6 merge buckets, 4 tile configs
     assert len(warm) == 1 + 1 + 2 + 6 + len(quant_matmul_triton.TILE_CONFIGS)
+
+
+_MODEL = r"""
+import json, sys, torch
+sys.path.insert(0, "benchmarks")
+import kernel_compile
+from gpushare.models.loader import load_model
+from gpushare.models import triton_warmup
+
+loaded = load_model(sys.argv[1], dtype="bfloat16", weights=sys.argv[2])
+config = loaded.config
+caches = [(torch.zeros(8, 16, config.num_kv_heads, config.head_dim, dtype=torch.bfloat16),) * 2
+          for _ in range(config.num_layers)]
+with kernel_compile.recorded_launches() as launches:
+    triton_warmup.model_buckets(loaded.model, caches, torch.bfloat16)
+print(json.dumps(kernel_compile.launch_keys(launches)))
+"""
+
+
+def test_warm_up_walks_a_real_model_to_a_few_variants(smollm2_path):
+    """SmolLM2 with int8 weights, in the layout a GPU holds them: the warm-up reaches every kernel it
+    runs (attention and its matmuls) in a handful of variants, its 30 layers sharing them. (int4 weights
+    take another layout on the CPU, so a CPU model cannot stand in for a GPU's.)"""
+    weights = "int8"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root, GPUSHARE_KERNELS="triton")  # Triton's weights
+    out = subprocess.run([sys.executable, "-c", _MODEL, smollm2_path, weights], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    kernels = {json.loads(key)[0] for key in keys}
+    assert kernels == {"_reshape_and_cache_kernel", "_prefill_kernel", "_decode_segment_kernel",
+                       "_decode_merge_kernel", f"_{weights}_matmul_kernel"}
+    matmuls = [key for key in keys if "matmul" in key]
+    # every tile config, for each class of linear shape Triton tells apart (N, K divisible by 16 or not)
+    assert len(matmuls) % len(quant_matmul_triton.TILE_CONFIGS) == 0 and 0 < len(matmuls) <= 4 * 4
+    assert len(keys) - len(matmuls) == 1 + 1 + 2 + 6

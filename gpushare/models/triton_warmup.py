@@ -59,8 +59,13 @@ def matmul_buckets(linear, dtype: torch.dtype) -> None:
 def warm_up(model, kv_caches: list, dtype: torch.dtype) -> None:
     """Compile every kernel variant ``model`` (models/llama.LlamaModel) can launch over ``kv_caches``
     (its per-layer (K, V) views) with ``dtype`` activations; nothing off CUDA."""
-    if not kv_caches or not kv_caches[0][0].is_cuda:
-        return
+    if kv_caches and kv_caches[0][0].is_cuda:
+        model_buckets(model, kv_caches, dtype)
+        torch.cuda.synchronize()
+
+
+def model_buckets(model, kv_caches: list, dtype: torch.dtype) -> None:
+    """Every bucket of every distinct attention layer and Triton-run linear of ``model``, once each."""
     done = set()
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
         attn = layer.self_attn
@@ -74,4 +79,3 @@ def warm_up(model, kv_caches: list, dtype: torch.dtype) -> None:
             if key not in done:
                 done.add(key)
                 matmul_buckets(module, dtype)
-    torch.cuda.synchronize()
