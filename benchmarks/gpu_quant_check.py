@@ -69,7 +69,7 @@ def part_quant_matmul(report):
     try:
         for m in QUANT_BATCHES:
             x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
-            block_m, *chosen = tri_ops.tile_config(m)
+            block_m, *chosen = tri_ops.tile_config(m, x.dtype, tri_ops.shared_bytes_per_block(x.device))
             for name, fn, weight in (("int8", tri_ops.int8_weight_matmul, int8),
                                      ("int4", tri_ops.int4_weight_matmul, (*int4, QUANT_TIME_GROUP))):
                 cells = []

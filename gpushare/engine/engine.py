@@ -114,6 +114,13 @@ class Engine:
 
     def add_model(self, name: str, loaded: LoadedModel, share_weight: float = 1.0) -> None:
         """Serve ``loaded`` as ``name``; its KV cache grows and shrinks in the engine's device pool."""
+        if loaded.device.startswith("cuda") and not getattr(loaded.config, "is_encoder", False):
+            # every Triton kernel variant compiles here, off the engine thread, not in a request's step
+            from gpushare.models.triton_warmup import warm_up  # Triton is imported for GPUs only
+
+            warm_up(loaded.model, self.kv_pool.layer_views(loaded.config, self.config.block_size, self.kv_dtype),
+                    loaded.dtype)
+
         def add():
             if name in self.models or name in self.encoders:
                 raise ValueError(f"model {name!r} is already loaded")

@@ -22,7 +22,8 @@ BLOCK_N = 64  # output columns per program
 BLOCK_K = 128  # input columns per step of the shrink
 
 
-@triton.jit
+# An adapter's rank is not specialised (no variant for rank 1 or multiples of 16); BLOCK_R buckets it.
+@triton.jit(do_not_specialize=["rank"])
 def _lora_kernel(y_ptr, x_ptr, a_ptr, b_ptr, slot_ptr, scale_ptr, out_features, in_features, rank,
                  y_row_stride, x_row_stride, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -38,11 +38,25 @@ MAX_SEGMENTS = 64  # decode: segments per sequence at most (bounds the merge til
 DECODE_TILE_TOKENS = 64  # decode: tokens per K/V load; SEGMENT_TOKENS is a multiple
 PREFILL_ROWS = 64  # prefill: query rows (tokens x group heads) per program
 PREFILL_TILE_TOKENS = 32  # prefill: tokens per K/V load
+KV_TILE_BYTES = 32 * 1024  # decode: a K tile's bytes at most (fewer tokens a load for wider rows); prefill: half
+PREFILL_QUERY_BYTES = 32 * 1024  # prefill: a program's float32 query rows' bytes at most
 MIN_DOT_ROWS = 16
 
 # "No window" is a window longer than any context, so the kernels need no branch for it.
 NO_WINDOW = 1 << 30
-LOG2_E: tl.constexpr = 1.4426950408889634
+# Compiled Triton reads a module global only when it is a tl.constexpr object (an annotation is
+# not enough: "Cannot access global variable" at compile time; the interpreter accepts either).
+LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+def _kv_tile_tokens(tokens: int, cache: torch.Tensor, max_bytes: int) -> int:
+    """Tokens per K/V load: ``tokens``, halved while a K tile would pass ``max_bytes`` (256 float32
+    dims), so that the K and V tiles pipelined in shared memory fit the 99 KiB a block of sm_86 and
+    sm_89 has (tests/test_gpu_compile.py)."""
+    row_bytes = triton.next_power_of_2(cache.shape[-1]) * cache.element_size()
+    while tokens > MIN_DOT_ROWS and tokens * row_bytes > max_bytes:
+        tokens //= 2
+    return tokens
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -125,7 +139,11 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
     )
 
 
-@triton.jit
+# Integer arguments whose value changes from step to step (the table width, the segment count) or
+# from layer to layer (the window) are not specialised: Triton would otherwise compile a variant for
+# 1 and for multiples of 16, mid-serving. The constexprs left vary over a few buckets
+# (DIRECT, SEGMENTS_P2), which triton_warmup.py compiles at model load.
+@triton.jit(do_not_specialize=["stride_tb", "num_segments", "window"])
 def _decode_segment_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, lse_ptr,
     scale, window, softcap,
@@ -182,7 +200,7 @@ def _decode_segment_kernel(
         tl.store(lse_ptr + (b * num_heads + heads) * num_segments + seg, m + tl.log2(l), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "window"])
 def _decode_merge_kernel(
     partial_ptr, lse_ptr, context_lens_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -206,6 +224,33 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+def decode_segments(table_width: int, block_size: int) -> tuple[int, int]:
+    """(tokens a segment covers, segments) of a decode over block tables ``table_width`` wide."""
+    max_tokens = table_width * block_size
+    tile = DECODE_TILE_TOKENS
+    segment = max(SEGMENT_TOKENS, triton.cdiv(triton.cdiv(max_tokens, MAX_SEGMENTS), tile) * tile)
+    return segment, triton.cdiv(max_tokens, segment)
+
+
+def decode_bucket(table_width: int, block_size: int) -> tuple[bool, int]:
+    """The constexprs a table width selects (DIRECT, SEGMENTS_P2): all that varies with it."""
+    num_segments = decode_segments(table_width, block_size)[1]
+    return num_segments == 1, triton.next_power_of_2(num_segments)
+
+
+def decode_bucket_widths(block_size: int) -> list[int]:
+    """The narrowest table width of every decode bucket: at most log2(MAX_SEGMENTS) + 1 of them."""
+    widths, seen, width = [], set(), 1
+    while True:
+        bucket = decode_bucket(width, block_size)
+        if bucket not in seen:
+            seen.add(bucket)
+            widths.append(width)
+        if decode_segments(width, block_size)[1] >= MAX_SEGMENTS:
+            return widths
+        width += 1
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
     """One query token per sequence attends to its whole cached history, or with ``window`` > 0 to
     its last ``window`` tokens (itself included); ``softcap`` > 0 caps the scores (Gemma 2).
@@ -224,10 +269,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, win
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    max_tokens = block_tables.shape[1] * block_size
-    tile = DECODE_TILE_TOKENS
-    segment = max(SEGMENT_TOKENS, triton.cdiv(triton.cdiv(max_tokens, MAX_SEGMENTS), tile) * tile)
-    num_segments = triton.cdiv(max_tokens, segment)
+    tile = _kv_tile_tokens(DECODE_TILE_TOKENS, k_cache, KV_TILE_BYTES)
+    segment, num_segments = decode_segments(block_tables.shape[1], block_size)
     direct = num_segments == 1
     if direct:
         partial, lse, partial_strides = out, out, (out.stride(0), out.stride(1), 0)
@@ -257,7 +300,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, win
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
     scale, window, softcap,
@@ -334,8 +377,11 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
         return out
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    tokens_per_program = max(1, PREFILL_ROWS // group_p2)
     dim_p2 = triton.next_power_of_2(head_dim)
+    rows = PREFILL_ROWS
+    while rows > MIN_DOT_ROWS and rows * dim_p2 * 4 > PREFILL_QUERY_BYTES:  # 256 dims: 32 rows
+        rows //= 2
+    tokens_per_program = max(1, rows // group_p2)
     grid = (triton.cdiv(num_tokens, tokens_per_program), batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
@@ -345,7 +391,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
         block_tables.stride(0),
         block_size, head_dim,
         GROUP=group, GROUP_P2=group_p2, TOKENS=tokens_per_program, DIM_P2=dim_p2,
-        TILE=PREFILL_TILE_TOKENS, PRECISION=_dot_precision(q.dtype), SOFTCAP=softcap > 0,
+        TILE=_kv_tile_tokens(PREFILL_TILE_TOKENS, k_cache, KV_TILE_BYTES // 2), PRECISION=_dot_precision(q.dtype),
+        SOFTCAP=softcap > 0,
         num_warps=8 if dim_p2 >= 128 else 4,
     )
     return out

@@ -29,6 +29,8 @@ dots are accumulated. The weight tile is dequantised as [groups in the tile, byt
 BLOCK_N], so each group's scale and min is loaded once per column and broadcast.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,14 +43,42 @@ TILE_CONFIGS = [
     (64, 64, 64, 128, 4, 4),
     (1 << 62, 128, 128, 64, 8, 3),
 ]
+# float32 activations double the x tile and make the dot's operands float32: those pipelines need
+# up to 152 KiB of shared memory a block (docs/benchmarks.md), more than the 99 KiB of the
+# workstation cards (sm_86, sm_89). Where a block has less than this, they run FP32_SMALL_STAGES deep.
+FP32_FULL_STAGES_SHARED_BYTES = 160 * 1024
+FP32_SMALL_STAGES = 2
 
 
-def tile_config(m: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a batch of ``m`` rows."""
+def tile_config(m: int, dtype: torch.dtype = torch.bfloat16, shared_bytes: int | None = None):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a batch of ``m`` rows of ``dtype``
+    on a GPU with ``shared_bytes`` of shared memory a block (None: the table as it stands)."""
     for max_m, *config in TILE_CONFIGS:
         if m <= max_m:
+            if dtype == torch.float32 and shared_bytes is not None and shared_bytes < FP32_FULL_STAGES_SHARED_BYTES:
+                config[-1] = min(config[-1], FP32_SMALL_STAGES)
             return tuple(config)
     raise ValueError(f"no tile config for M = {m}")
+
+
+def tile_buckets() -> list[int]:
+    """One batch size for each row of TILE_CONFIGS: the M that reach a distinct compiled kernel
+    (M itself is not specialised), for warming every one up (models/triton_warmup.py)."""
+    sizes, previous = [], 0
+    for max_m, *_ in TILE_CONFIGS:
+        sizes.append(min(max_m, previous + 64))
+        previous = max_m
+    return sizes
+
+
+@functools.cache
+def _shared_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def shared_bytes_per_block(device: torch.device) -> int | None:
+    """The shared memory a block may opt in to on ``device``; None off CUDA (the interpreter)."""
+    return _shared_bytes(device) if device.type == "cuda" else None
 
 
 def _dot_mode(dtype: torch.dtype):
@@ -67,7 +97,9 @@ def _dot(acc, x, w, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(x, w, acc, input_precision=PRECISION)
 
 
-@triton.jit
+# M changes with every step's batch: not specialised (no variant for M = 1 or multiples of 16 to
+# compile mid-serving); the tile config is the bucket.
+@triton.jit(do_not_specialize=["M"])
 def _int8_matmul_kernel(
     x_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     w_ptr, scales_ptr, stride_wn,
@@ -95,7 +127,7 @@ def _int8_matmul_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _int4_matmul_kernel(
     x_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     w_ptr, scales_ptr, mins_ptr, stride_wn, stride_sn,
@@ -149,7 +181,7 @@ def _launch(kernel, x, n, weight_args, **constexprs):
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*lead, n)
-    block_m, block_n, block_k, num_warps, num_stages = tile_config(m)
+    block_m, block_n, block_k, num_warps, num_stages = tile_config(m, x.dtype, shared_bytes_per_block(x.device))
     upcast, precision = _dot_mode(x.dtype)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     kernel[grid](
