@@ -30,7 +30,7 @@ TENANTS = [
 MAX_MESSAGES = 64
 MAX_PROMPT_CHARS = 50_000
 HELLO = [{"role": "user", "content": "Say hi"}]
-FLOOD = 72  # count_tokens calls at once: more than the preparation pool holds (api/work.MAX_PENDING)
+FLOOD = 72  # count_tokens calls at once: far more than solo's one max_concurrent slot and its max_queued of 0
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,9 @@ async def _read_body(request: web.Request, limit_bytes: int, hold, held_limit_by
         size += len(chunk)
         if size > limit_bytes:  # chunked, or a Content-Length that lied
             raise too_big
-        if declared is None or size > declared:
-            hold(len(chunk), held_limit_bytes)
+        past_declared = len(chunk) if declared is None else min(len(chunk), size - declared)
+        if past_declared > 0:  # the declared length is held already
+            hold(past_declared, held_limit_bytes)
         chunks.append(chunk)
     return chunks
 

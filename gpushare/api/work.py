@@ -125,15 +125,15 @@ class WorkQueue:
         self.queued += 1
         try:
             await asyncio.wait_for(waiter, max(0.0, budget.left_s()))
-        except asyncio.TimeoutError:
-            self._forget(budget, waiter)
-            raise busy(f"this request waited {budget.timeout_s:g}s for its preparation, its limit "
-                       f"(limits.work_timeout)") from None
-        except BaseException:  # the client left while it waited
+        except BaseException as e:  # its time ended, or the client left, while it waited
+            # Handed a thread just now (wait_for can time out after the result was set): hand it on.
             if waiter.done() and not waiter.cancelled():
-                self.release()  # handed a thread just now: hand it on
+                self.release()
             else:
                 self._forget(budget, waiter)
+            if isinstance(e, asyncio.TimeoutError):
+                raise busy(f"this request waited {budget.timeout_s:g}s for its preparation, its limit "
+                           f"(limits.work_timeout)") from None
             raise
 
     def release(self) -> None:

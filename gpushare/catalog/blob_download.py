@@ -175,7 +175,9 @@ async def fetch_file(session: aiohttp.ClientSession, url: str, headers: dict, pa
                 os.ftruncate(fd, have)
                 if have < size:
                     raise aiohttp.ClientPayloadError(f"the answer ended {size - have} bytes short")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, RegistryError) as e:
+                if isinstance(e, RegistryError) and e.status in (401, 403, 404):
+                    raise  # refused, not a passing fault (a 5xx or 429 is tried again, as fetch_blob does)
                 failures += 1
                 if failures > max_retries:
                     raise RegistryError(f"{url}: gave up after {max_retries} retries in a row "

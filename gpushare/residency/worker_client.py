@@ -229,8 +229,8 @@ class WorkerClient(Device):
         try:
             return future.result(timeout=ATTACH_TIMEOUT_S)
         except TimeoutError:
-            if future.done():  # the worker's own answer: its read of the files timed out
-                raise
+            if future.done():  # the worker answered as the wait ended: its answer (its own read timeout, say)
+                return future.result()
         future.add_done_callback(lambda f: f.exception() is None and self._send_quietly(
             m.DetachAdapter(next(self._call_ids), name)))
         raise RuntimeError(f"the engine worker for {self.name} did not attach adapter {name!r} within "

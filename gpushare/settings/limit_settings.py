@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.settings.values import ConfigError, expect_mapping, parse_duration_s, parse_size_bytes, positive_int, \
+from gpushare.settings.values import ConfigError, expect_mapping, parse_duration_s, positive_int, positive_size_bytes, \
     reject_unknown
 
 
@@ -50,9 +50,7 @@ def read_limits(raw: Any) -> LimitSettings:
                 raise ConfigError(f"limits.{key}: must be a positive duration like 10s, got {value!r}")
             values[name] = seconds
         elif name in _SIZES:
-            values[name] = parse_size_bytes(value, f"limits.{key}")
-            if values[name] <= 0:
-                raise ConfigError(f"limits.{key}: must be a positive size like 64MiB, got {value!r}")
+            values[name] = positive_size_bytes(value, f"limits.{key}", "64MiB")
         else:
             values[name] = positive_int(value, f"limits.{key}")
     return LimitSettings(**values)

@@ -22,7 +22,8 @@ import yaml
 from gpushare.settings.engine_settings import WEIGHTS, EngineSettings, read_engine
 from gpushare.settings.environment import apply_environment, ollama_stores
 from gpushare.settings.values import (DEFAULT_PORT, ConfigError, choice, described, expect_mapping, non_negative_int,
-                                    parse_duration_s, parse_host, parse_size_bytes, positive_int, reject_unknown)
+                                    parse_duration_s, parse_host, parse_size_bytes, positive_int, positive_size_bytes,
+                                    reject_unknown)
 from gpushare.settings.limit_settings import LimitSettings, read_limits
 from gpushare.settings.model_options import OptionError, options_from_json
 from gpushare.settings.tensor_parallel_settings import read_tensor_parallel
@@ -115,10 +116,7 @@ def _read_server(raw: Any) -> ServerSettings:
     if "max_queued" in d:
         s.max_queued = non_negative_int(d["max_queued"], "server.max_queued")
     if "max_body_bytes_held" in d:
-        s.max_body_bytes_held = parse_size_bytes(d["max_body_bytes_held"], "server.max_body_bytes_held")
-        if s.max_body_bytes_held <= 0:
-            raise ConfigError(f"server.max_body_bytes_held: must be a positive size like 512MiB, "
-                              f"got {d['max_body_bytes_held']!r}")
+        s.max_body_bytes_held = positive_size_bytes(d["max_body_bytes_held"], "server.max_body_bytes_held", "512MiB")
     if "keep_alive" in d:
         s.keep_alive_s = parse_duration_s(d["keep_alive"], "server.keep_alive")
     if "origins" in d:

@@ -63,6 +63,14 @@ def parse_size_bytes(value: Any, key: str = "size") -> int:
     raise ConfigError(f"{key}: must be a size like 512MiB or 8GiB or a number of bytes, got {value!r}")
 
 
+def positive_size_bytes(value: Any, key: str, example: str) -> int:
+    """parse_size_bytes, refusing zero and less (``example``: a size to suggest, like 64MiB)."""
+    size = parse_size_bytes(value, key)
+    if size <= 0:
+        raise ConfigError(f"{key}: must be a positive size like {example}, got {value!r}")
+    return size
+
+
 def parse_host(value: str, key: str = "server.host") -> tuple[str, int]:
     """(host, port) from "HOST:PORT", "HOST", ":PORT" or "http://HOST:PORT", as OLLAMA_HOST."""
     text = str(value).strip()
